@@ -1,0 +1,143 @@
+"""The public entry points: `auto_parallel` and `plan`."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from autopar.cost.hardware import Hardware, get_profile
+from autopar.errors import AutoparError, collect_errors
+from autopar.ir import OpGraph
+from autopar.lower import jit_step
+from autopar.mesh import MeshShape, mesh_shape
+from autopar.plan import Plan
+from autopar.planner import BACKENDS, Decisions, assemble, plan_step
+from autopar.rules.factors import Strategy, spec_str, to_partition_spec
+from autopar.trace import trace
+
+
+def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
+         hardware: str | Hardware | None = None) -> Plan:
+    """Plan `fn(*args)` on `mesh` without running it.
+
+    `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh or a
+    dict of axis sizes, so plans can be made for devices you do not have.
+    """
+    _check_backend(search)
+    return plan_step(fn, args, mesh_shape(mesh), get_profile(hardware), search)[2]
+
+
+def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
+                  hardware: str | Hardware | None = None, plan: Plan | None = None) -> Any:
+    """Decorate a single-device step so that it runs sharded over `mesh`.
+
+    The first call with given input shapes traces the step, searches a plan with `search`
+    (or applies `plan`, with no search) and compiles it; later calls reuse the executable.
+    """
+    if fn is None:
+        return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
+                                 plan=plan)
+    if not isinstance(mesh, Mesh):
+        raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, got {mesh!r}. Fix: "
+                           "autopar.make_mesh({'data': 2, 'model': 4}); to plan for devices you "
+                           "do not have, use autopar.plan(fn, *args, mesh={...}).")
+    _check_backend(search)
+    return AutoParallel(fn, mesh, search, get_profile(hardware), plan)
+
+
+def _check_backend(search: str) -> None:
+    if search not in BACKENDS:
+        raise AutoparError(f"unknown search {search!r}. Fix: use one of {list(BACKENDS)}.")
+
+
+class AutoParallel:
+    """A step function with its plans and executables, one per input signature."""
+
+    def __init__(self, fn: Callable, mesh: Mesh, search: str, hw: Hardware,
+                 saved: Plan | None) -> None:
+        self.fn, self.mesh, self.search, self.hw, self.saved = fn, mesh, search, hw, saved
+        self.shape = mesh_shape(mesh)
+        self._cache: dict[Any, tuple[OpGraph, Decisions, Plan, Any]] = {}
+        functools.update_wrapper(self, fn)
+
+    def _signature(self, args: tuple) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        return tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
+                           for x in leaves)
+
+    def _compiled(self, args: tuple) -> tuple[OpGraph, Decisions, Plan, Any]:
+        key = self._signature(args)
+        if key not in self._cache:
+            if self.saved is None:
+                graph, decisions, p = plan_step(self.fn, args, self.shape, self.hw, self.search)
+            else:
+                graph, in_tree, out_shape = trace(self.fn, args)
+                decisions = decisions_from_plan(graph, self.saved, self.shape)
+                p = assemble(graph, decisions, self.shape, self.hw, self.saved.backend,
+                             dict(self.saved.search_stats), in_tree,
+                             jax.tree_util.tree_structure(out_shape))
+            out_specs = [t.spec for t in p.outputs]
+            self._cache[key] = (graph, decisions, p, jit_step(graph, decisions, self.mesh, out_specs))
+        return self._cache[key]
+
+    def __call__(self, *args: Any) -> Any:
+        graph, decisions, p, jitted = self._compiled(args)
+        flat = jax.tree_util.tree_leaves(args)
+        placed = [_place(x, NamedSharding(self.mesh, to_partition_spec(s)))
+                  for x, s in zip(flat, decisions.inputs)]
+        outs = jitted(*placed)
+        return jax.tree_util.tree_unflatten(p.out_tree, outs)
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan for these arguments (arrays or ShapeDtypeStruct); nothing is run."""
+        return self._compiled(args)[2]
+
+    def lower(self, *args: Any) -> Any:
+        """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
+        _, decisions, _, jitted = self._compiled(args)
+        flat = jax.tree_util.tree_leaves(args)
+        return jitted.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
+                              for x in flat])
+
+
+def _place(x: Any, sharding: NamedSharding) -> Any:
+    """Put an input where the plan wants it, unless it is there already."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
+def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisions:
+    """The decisions a saved plan records, checked against this trace of the step."""
+    problems = []
+    if dict(saved.mesh) != shape.as_dict():
+        problems.append(f"the plan was made for mesh {dict(saved.mesh)}, this mesh is {shape}; "
+                        "plan again for this mesh")
+    by_path = {t.path: t for t in saved.inputs}
+    inputs = []
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        entry = by_path.get(tensor.path or "")
+        if entry is None or entry.shape != tensor.shape:
+            problems.append(f"input {tensor.path} {tensor.shape} is not in the plan with that "
+                            "shape; plan again for these arguments")
+            continue
+        inputs.append(entry.spec)
+    if len(saved.ops) != len(graph.ops):
+        problems.append(f"the plan has {len(saved.ops)} operators, this step traces to "
+                        f"{len(graph.ops)}; plan again after changing the step")
+    ops = []
+    for op, d in zip(graph.ops, saved.ops):
+        shapes = tuple(graph.tensors[t].shape for t in op.inputs)
+        if d.primitive != op.primitive or d.in_shapes != shapes:
+            problems.append(f"operator {op.id} is {op.primitive}{shapes} here but "
+                            f"{d.primitive}{d.in_shapes} in the plan; plan again")
+            break
+        used = {a for spec in (*d.in_specs, *d.out_specs) for axes in spec for a in axes}
+        ops.append(Strategy((), d.in_specs, d.out_specs, d.partial_axes,
+                            math.prod(shape.axis_size(a) for a in used)))
+    collect_errors(problems, f"the saved plan does not fit this step on mesh {shape}:")
+    return Decisions(inputs, ops)

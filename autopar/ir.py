@@ -1,0 +1,75 @@
+"""The operator graph: plain frozen dataclasses, with JAX objects kept at the edges.
+
+Two views of one traced step live here. `ops` is the planning view: every operator whose
+sharding the search decides, with the bodies of loops inlined once (their costs scaled by the
+trip count). `program` is the execution view: the equations the lowering re-runs, where a loop is
+one equation again.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A value in the step: its shape, dtype and, for inputs and outputs, its pytree path."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    path: str | None = None
+    const: bool = False  # a literal or closed-over constant, or computed from those alone
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "token" else 0
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator of the planning view."""
+
+    id: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: dict[str, Any] = field(hash=False, compare=False)
+    source: str = ""
+    repeat: int = 1  # how often it runs per step (trip count of enclosing loops)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One equation of the execution view.
+
+    `requires[i]` names the planning op and operand index whose strategy fixes the sharding
+    operand i must have (None: no requirement, e.g. a constant); results take the sharding of
+    the planning op that produces them. `eqn` None copies its one input through.
+    """
+
+    eqn: Any = field(hash=False, compare=False)
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    requires: tuple[tuple[int, int] | None, ...]
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """A traced step: tensors, planning ops, execution steps, and the flat inputs and outputs."""
+
+    tensors: tuple[Tensor, ...]
+    ops: tuple[Op, ...]
+    program: tuple[Step, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    const_values: dict[int, Any] = field(hash=False, compare=False)
+    # output index -> input index when the output is the next step's value of that input (state)
+    state_pairs: dict[int, int] = field(hash=False, compare=False, default_factory=dict)
+
+    def producers(self) -> dict[int, tuple[int, int]]:
+        """tensor id -> (op id, output index) for every tensor a planning op produces."""
+        return {t: (op.id, k) for op in self.ops for k, t in enumerate(op.outputs)}

@@ -1,0 +1,66 @@
+"""Meshes: the real one used for lowering and the plain description used for planning."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from autopar.errors import AutoparError
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Axis names and sizes: all that planning needs to know about a mesh."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.sizes)
+
+    def axis_size(self, name: str) -> int:
+        return self.sizes[self.names.index(name)]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes))
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(self.names, self.sizes)) + "}"
+
+
+def make_mesh(axes: Mapping[str, int], devices: Any = None) -> Mesh:
+    """A jax Mesh with `AxisType.Auto` axes over `devices` (default: all of `jax.devices()`).
+
+    Auto axes leave XLA's sharding propagation in charge between our constraints, which is what
+    constraint-based lowering needs (jax.make_mesh defaults to Explicit axes).
+    """
+    names, sizes = tuple(axes), tuple(int(s) for s in axes.values())
+    devices = list(jax.devices() if devices is None else devices)
+    needed = math.prod(sizes)
+    if needed > len(devices):
+        raise AutoparError(
+            f"mesh {dict(axes)} needs {needed} devices but {len(devices)} are available. Fix: use a "
+            f"smaller mesh, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={needed} "
+            "before importing jax; to plan without the devices pass the mesh as a dict to autopar.plan."
+        )
+    grid = np.array(devices[:needed], dtype=object).reshape(sizes)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def mesh_shape(mesh: Any) -> MeshShape:
+    """The MeshShape of a Mesh, an AbstractMesh or a dict of axis sizes."""
+    if isinstance(mesh, MeshShape):
+        return mesh
+    if isinstance(mesh, Mapping):
+        return MeshShape(tuple(mesh), tuple(int(s) for s in mesh.values()))
+    if isinstance(mesh, (Mesh, AbstractMesh)):
+        return MeshShape(tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes))
+    raise AutoparError(
+        f"mesh must be a jax Mesh, an AbstractMesh or a dict of axis sizes, got {type(mesh).__name__}. "
+        "Fix: autopar.make_mesh({'data': 2, 'model': 4})."
+    )

@@ -1,0 +1,151 @@
+"""Planning: trace, build the problem, search, and assemble the Plan with its costs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import search
+from search.bounded import solve_bounded
+from autopar.cost.hardware import Hardware
+from autopar.cost.model import op_time, reshard_time, shard_bytes
+from autopar.errors import AutoparError
+from autopar.ir import OpGraph
+from autopar.mesh import MeshShape
+from autopar.plan import OpDecision, Plan, TensorPlan
+from autopar.problem import build_problem
+from autopar.rules.factors import Spec, Strategy, replicated
+from autopar.trace import trace
+
+BACKENDS = ("dynamic_programming",)
+
+
+@dataclass
+class Decisions:
+    """The sharding of every input and the strategy of every op: what lowering needs."""
+
+    inputs: list[Spec]  # per graph input
+    ops: list[Strategy]  # per op id
+
+    def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
+        """The sharding each tensor has when produced."""
+        specs = {t: s for t, s in zip(graph.inputs, self.inputs)}
+        for op, st in zip(graph.ops, self.ops):
+            specs.update(zip(op.outputs, st.out_specs))
+        return specs
+
+
+def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str) -> tuple[Decisions, dict]:
+    """Search the strategies of `graph` on `mesh` with `backend`."""
+    if backend not in BACKENDS:
+        raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
+    t0 = time.perf_counter()
+    problem = build_problem(graph, mesh, hw)
+    t1 = time.perf_counter()
+    try:
+        solution = search.solve(problem.graph, backend)
+    except search.SearchTooLargeError:
+        # Too densely connected for exact elimination within memory: bounded elimination gives a
+        # plan and a lower bound; stats say how far from optimal it can be at most.
+        solution = solve_bounded(problem.graph, max_factor_size=1e6)
+    strategies = problem.decode(solution.choice)
+    by_tensor = {}
+    ops: list[Strategy | None] = [None] * len(graph.ops)
+    for unit, st in zip(problem.units, strategies):
+        if unit.op is None:
+            by_tensor[unit.outputs[0]] = st.out_specs[0]
+        else:
+            ops[unit.op.id] = st
+    inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
+    stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
+    stats.update(build_problem_s=t1 - t0, search_s=time.perf_counter() - t1,
+                 objective_s=float(solution.cost), ops=len(graph.ops))
+    return Decisions(inputs, ops), stats
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
+def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, backend: str,
+             stats: dict, in_tree: Any = None, out_tree: Any = None) -> Plan:
+    """The Plan of `decisions`: specs, per-op costs, and totals per device."""
+    tensors = graph.tensors
+    specs = decisions.tensor_specs(graph)
+    decisions_out = []
+    compute = comm = 0.0
+    for op, st in zip(graph.ops, decisions.ops):
+        c, m = op_time(op, st, tensors, mesh, hw)
+        for t, need in zip(op.inputs, st.in_specs):
+            if not tensors[t].const and t in specs:
+                m += op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
+        compute, comm = compute + c, comm + m
+        decisions_out.append(OpDecision(
+            op.id, op.primitive, op.source, tuple(tensors[t].shape for t in op.inputs),
+            tuple(tensors[t].shape for t in op.outputs), st.in_specs, st.out_specs,
+            st.partial_axes, c, m))
+    out_specs = []
+    for k, t in enumerate(graph.outputs):
+        spec = specs.get(t, replicated(len(tensors[t].shape)))
+        if k in graph.state_pairs:  # returned in the sharding it arrived in
+            final = decisions.inputs[graph.state_pairs[k]]
+            comm += reshard_time(tensors[t], spec, final, mesh, hw)
+            spec = final
+        out_specs.append(spec)
+
+    def tensor_plans(ids: Sequence[int], spec_list: Sequence[Spec]) -> tuple[TensorPlan, ...]:
+        return tuple(TensorPlan(tensors[t].path or f"tensor {t}", tensors[t].shape,
+                                tensors[t].dtype, s, int(shard_bytes(tensors[t], s, mesh)))
+                     for t, s in zip(ids, spec_list))
+
+    cost = {"compute_s": compute, "communication_s": comm, "total_s": compute + comm,
+            "peak_memory_bytes": peak_memory(graph, specs, mesh)}
+    return Plan(tuple(zip(mesh.names, mesh.sizes)), backend, hw.name,
+                tensor_plans(graph.inputs, decisions.inputs),
+                tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
+                in_tree, out_tree)
+
+
+def peak_memory(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape) -> int:
+    """Bytes per device at the fullest point of the step, walking the ops in program order.
+
+    The inputs stay live throughout; an intermediate lives from its producer to its last
+    consumer. (A first estimate: XLA's scheduling and fusion move the true figure.)
+    """
+    def size(t: int) -> float:
+        tensor = graph.tensors[t]
+        return 0.0 if tensor.const else shard_bytes(tensor, specs.get(t, replicated(len(tensor.shape))), mesh)
+
+    last_use: dict[int, int] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            last_use[t] = op.id
+    keep = set(graph.inputs) | set(graph.outputs)
+    live = sum(size(t) for t in graph.inputs)
+    peak = live
+    for op in graph.ops:
+        live += sum(size(t) for t in op.outputs)
+        peak = max(peak, live)
+        for t in set(op.inputs) | set(op.outputs):
+            if t not in keep and last_use.get(t, op.id) <= op.id:
+                live -= size(t)
+    return int(peak)
+
+
+def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: Hardware,
+              backend: str) -> tuple[OpGraph, Decisions, Plan]:
+    """Trace, search and assemble: the whole planning pipeline for one call signature."""
+    t0 = time.perf_counter()
+    graph, in_tree, out_shape = trace(fn, args)
+    t1 = time.perf_counter()
+    decisions, stats = solve(graph, mesh, hw, backend)
+    stats["trace_s"] = t1 - t0
+    import jax
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    return graph, decisions, assemble(graph, decisions, mesh, hw, backend, stats, in_tree, out_tree)

@@ -1,0 +1,193 @@
+"""From an OpGraph to a CostGraph, and from the search's choice back to per-op strategies.
+
+Only operators that change what sharding costs get a choice of their own (dot_general, conv,
+reductions, gather/scatter, the step's inputs). Elementwise and layout operators follow the
+producer of their main operand: they form one node with it, so the graph the search sees has a
+node per decision, not per equation (MindSpore's elementwise_op_strategy_follow, Alpa's follow
+ties). Resharding between nodes becomes an edge's cost matrix.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+import search
+from autopar.cost.hardware import Hardware
+from autopar.cost.model import op_time, reshard_time
+from autopar.ir import Op, OpGraph, Tensor
+from autopar.mesh import MeshShape
+from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
+                           replicated_rule, rule_for)
+
+# Operators that choose their own strategy; every other operator with a rule follows the
+# sharding of its main operand (reductions keep their input's split and all-reduce the partials).
+DECIDERS = {"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
+            "scatter_add", "while"}
+
+
+class AutoparWarning(UserWarning):
+    """A warning from autopar (an operator replicated for lack of a rule, for example)."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One input tensor or op, as the problem sees it."""
+
+    name: str
+    rule: Rule
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    op: Op | None  # None for an input of the step
+
+
+@dataclass
+class Problem:
+    """The search problem and how to read its answer back."""
+
+    graph: search.CostGraph
+    units: list[Unit]
+    node_of: list[int]  # unit -> node
+    choices: list[list[Strategy]]  # unit -> its strategy for each strategy of its node
+    producer: dict[int, tuple[int, int]]  # tensor -> (unit, output index)
+
+    def decode(self, choice: np.ndarray) -> list[Strategy]:
+        """The strategy of every unit under the search's choice per node."""
+        return [self.choices[u][int(choice[self.node_of[u]])] for u in range(len(self.units))]
+
+
+def make_units(graph: OpGraph) -> list[Unit]:
+    """One unit per non-constant input, then one per op; warns about ops without a rule."""
+    units = []
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        if not tensor.const:
+            units.append(Unit(tensor.path or f"input {t}", _input_rule(tensor), (), (t,), None))
+    missing: dict[str, list[str]] = defaultdict(list)
+    for op in graph.ops:
+        ins = [graph.tensors[t].shape for t in op.inputs]
+        outs = [graph.tensors[t].shape for t in op.outputs]
+        rule = rule_for(op.primitive, ins, outs, op.params)
+        if rule is None:
+            missing[op.primitive].append(op.source)
+            rule = replicated_rule(ins, outs)
+        units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op))
+    for primitive, sources in missing.items():
+        where = "; ".join(sorted(set(sources))[:3]) + (" ..." if len(set(sources)) > 3 else "")
+        warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
+                      f"({len(sources)} use(s), at {where}); it runs replicated.",
+                      AutoparWarning, stacklevel=4)
+    return units
+
+
+def _input_rule(tensor: Tensor) -> Rule:
+    names = tuple(f"d{k}" if d > 1 else None for k, d in enumerate(tensor.shape))
+    return Rule((), (names,), {f"d{k}": d for k, d in enumerate(tensor.shape) if d > 1})
+
+
+def main_operand(unit: Unit, graph: OpGraph) -> int | None:
+    """The operand a follower takes its sharding from: the first non-constant one of the
+    result's shape, else the first non-constant one."""
+    live = [i for i, t in enumerate(unit.inputs) if not graph.tensors[t].const]
+    if not live or unit.op is None or unit.op.primitive in DECIDERS or not unit.rule.sizes:
+        return None
+    shape = graph.tensors[unit.outputs[0]].shape
+    same = [i for i in live if graph.tensors[unit.inputs[i]].shape == shape]
+    return (same or live)[0]
+
+
+def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware) -> Problem:
+    """The CostGraph of `graph` on `mesh` under the cost model of `hw`."""
+    units = make_units(graph)
+    producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
+    node_of: list[int] = []
+    choices: list[list[Strategy]] = []
+    roots: list[int] = []
+    reshard = _cached_reshard(mesh, hw)
+    for u, unit in enumerate(units):
+        main = main_operand(unit, graph)
+        source = producer.get(unit.inputs[main]) if main is not None else None
+        if source is None or source[0] >= u:
+            node_of.append(len(roots))
+            roots.append(u)
+            choices.append(enumerate_strategies(unit.rule, mesh))
+            continue
+        src_unit, k = source
+        node_of.append(node_of[src_unit])
+        cache: dict[Spec, Strategy] = {}
+        derived = []
+        for s in choices[src_unit]:
+            spec = s.out_specs[k]
+            if spec not in cache:
+                cache[spec] = follow(unit.rule, mesh, main, spec)
+            derived.append(cache[spec])
+        choices.append(derived)
+
+    node_costs = [np.zeros(len(choices[r])) for r in roots]
+    for u, unit in enumerate(units):
+        if unit.op is not None:
+            node_costs[node_of[u]] += _unit_costs(unit.op, choices[u], graph.tensors, mesh, hw)
+
+    edges: list[tuple[int, int, np.ndarray]] = []
+
+    def connect(t: int, src_specs: list[Spec], dst_u: int, dst_specs: list[Spec], scale: float):
+        """Charge resharding `t` from its producer's spec to what unit dst_u needs."""
+        a, b = node_of[producer[t][0]], node_of[dst_u]
+        tensor = graph.tensors[t]
+        if a == b:  # both lists are indexed by the same node's strategies
+            node_costs[a] += scale * np.array([reshard(tensor, s, d)
+                                               for s, d in zip(src_specs, dst_specs)])
+            return
+        src_idx, src_list = _distinct(src_specs)
+        dst_idx, dst_list = _distinct(dst_specs)
+        small = np.array([[reshard(tensor, s, d) for d in dst_list] for s in src_list])
+        if small.any():
+            edges.append((a, b, scale * small[np.ix_(src_idx, dst_idx)]))
+
+    for u, unit in enumerate(units):
+        for i, t in enumerate(unit.inputs):
+            if graph.tensors[t].const or t not in producer:
+                continue
+            p, k = producer[t]
+            connect(t, [s.out_specs[k] for s in choices[p]], u,
+                    [s.in_specs[i] for s in choices[u]], unit.op.repeat if unit.op else 1)
+    # The state a step returns is the next step's input: its sharding should not change.
+    for out_index, in_index in graph.state_pairs.items():
+        t_out, t_in = graph.outputs[out_index], graph.inputs[in_index]
+        if t_out in producer and t_in in producer:
+            p, k = producer[t_out]
+            q = producer[t_in][0]
+            connect(t_out, [s.out_specs[k] for s in choices[p]], q,
+                    [s.out_specs[0] for s in choices[q]], 1.0)
+
+    names = tuple(units[r].name for r in roots)
+    cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
+    return Problem(cost_graph, units, node_of, choices, producer)
+
+
+def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:
+    index: dict[Spec, int] = {}
+    idx = np.array([index.setdefault(s, len(index)) for s in specs], dtype=np.int64)
+    return idx, list(index)
+
+
+def _cached_reshard(mesh: MeshShape, hw: Hardware):
+    @lru_cache(maxsize=None)
+    def cost(tensor: Tensor, src: Spec, dst: Spec) -> float:
+        return reshard_time(tensor, src, dst, mesh, hw)
+    return cost
+
+
+def _unit_costs(op: Op, strategies: list[Strategy], tensors, mesh: MeshShape,
+                hw: Hardware) -> np.ndarray:
+    cache: dict[int, float] = {}
+    out = np.empty(len(strategies))
+    for j, s in enumerate(strategies):
+        if id(s) not in cache:
+            compute, comm = op_time(op, s, tensors, mesh, hw)
+            cache[id(s)] = compute + comm
+        out[j] = cache[id(s)]
+    return out

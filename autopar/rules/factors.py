@@ -1,0 +1,133 @@
+"""Factor notation: how an operator's dimensions map onto shared factors, and strategies.
+
+A rule names, for each operand and result dimension, a factor (or None: that dimension is never
+split). `dot_general` of `b i, i o -> b o` has factors b, i, o; `i` appears in no result, so it is
+a reduction factor: splitting it over a mesh axis leaves partial sums that need an all-reduce.
+A strategy assigns mesh axes to factors; the operand and result shardings, and the collectives the
+operator needs, follow from that. One rule per primitive covers every strategy.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from jax.sharding import PartitionSpec
+
+from autopar.mesh import MeshShape
+
+Dims = tuple[str | None, ...]  # one factor name (or None) per dimension
+Spec = tuple[tuple[str, ...], ...]  # one tuple of mesh axes per dimension; () is replicated
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Factor notation of one operator instance."""
+
+    operands: tuple[Dims, ...]
+    results: tuple[Dims, ...]
+    sizes: dict[str, int] = field(hash=False)
+
+    @property
+    def reduction_factors(self) -> frozenset[str]:
+        in_results = {f for dims in self.results for f in dims if f}
+        return frozenset(f for dims in self.operands for f in dims if f and f not in in_results)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Mesh axes per factor, and the shardings and partial sums that follow."""
+
+    assignment: tuple[tuple[str, tuple[str, ...]], ...]
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    partial_axes: tuple[str, ...]  # results are partial sums over these axes: all-reduce
+    parallel: int  # how many devices share the work
+
+    def describe(self) -> str:
+        ins = ", ".join(spec_str(s) for s in self.in_specs)
+        outs = ", ".join(spec_str(s) for s in self.out_specs)
+        extra = f" all-reduce over {self.partial_axes}" if self.partial_axes else ""
+        return f"({ins}) -> ({outs}){extra}"
+
+
+def replicated(rank: int) -> Spec:
+    return ((),) * rank
+
+
+def spec_str(spec: Spec) -> str:
+    return str(to_partition_spec(spec))
+
+
+def to_partition_spec(spec: Spec) -> PartitionSpec:
+    """Our spec as a PartitionSpec, trailing replicated dimensions dropped."""
+    entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def from_partition_spec(pspec: PartitionSpec, rank: int) -> Spec:
+    """A PartitionSpec (or tuple of its entries) as our spec of the given rank."""
+    entries = list(pspec) + [None] * (rank - len(pspec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+
+
+def strategy(rule: Rule, mesh: MeshShape, assignment: dict[str, tuple[str, ...]]) -> Strategy:
+    """The strategy that puts `assignment`'s mesh axes on its factors."""
+    order = {a: i for i, a in enumerate(mesh.names)}
+
+    def spec(dims: Dims) -> Spec:
+        return tuple(tuple(sorted(assignment.get(f, ()), key=order.get)) if f else () for f in dims)
+
+    reductions = rule.reduction_factors
+    partial = tuple(sorted((a for f in reductions for a in assignment.get(f, ())), key=order.get))
+    used = [a for axes in assignment.values() for a in axes]
+    return Strategy(
+        assignment=tuple(sorted((f, tuple(a)) for f, a in assignment.items() if a)),
+        in_specs=tuple(spec(d) for d in rule.operands),
+        out_specs=tuple(spec(d) for d in rule.results),
+        partial_axes=partial,
+        parallel=math.prod(mesh.axis_size(a) for a in used),
+    )
+
+
+def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512) -> list[Strategy]:
+    """Every way to put each mesh axis on at most one factor that its size divides.
+
+    The replicated strategy comes first. Above `limit` strategies, those using fewer axes are
+    kept: an operator with that many factors (a loop with many carried values) rarely profits
+    from the rest, and the search stays small.
+    """
+    factors = sorted(rule.sizes)
+    axes = [a for a, s in zip(mesh.names, mesh.sizes) if s > 1]
+    found: list[tuple[int, dict]] = []
+    for choice in itertools.product([None, *factors], repeat=len(axes)):
+        assignment: dict[str, tuple[str, ...]] = {}
+        for axis, f in zip(axes, choice):
+            if f is not None:
+                assignment[f] = assignment.get(f, ()) + (axis,)
+        if all(rule.sizes[f] % math.prod(mesh.axis_size(a) for a in ax) == 0
+               for f, ax in assignment.items()):
+            found.append((sum(c is not None for c in choice), assignment))
+    found.sort(key=lambda item: item[0])
+    return [strategy(rule, mesh, a) for _, a in found[:limit]]
+
+
+def follow(rule: Rule, mesh: MeshShape, operand: int, spec: Spec) -> Strategy:
+    """The strategy that keeps operand `operand` as `spec` arrives, as far as the rule allows.
+
+    Axes on a dimension the rule cannot split, or that do not divide its factor, are dropped
+    (the operand is gathered on that dimension).
+    """
+    assignment: dict[str, tuple[str, ...]] = {}
+    for f, axes in zip(rule.operands[operand], spec):
+        if f is None or not axes or f in assignment:
+            continue
+        kept: tuple[str, ...] = ()
+        for a in axes:
+            if rule.sizes[f] % (math.prod(mesh.axis_size(x) for x in kept) * mesh.axis_size(a)) == 0:
+                kept += (a,)
+        if kept:
+            assignment[f] = kept
+    return strategy(rule, mesh, assignment)

@@ -1,0 +1,346 @@
+"""Per-primitive sharding rules, as a table keyed by primitive name with a default.
+
+Each rule function gets the operand and result shapes and the equation's params and returns a
+Rule in factor notation. A primitive with no entry gets `None`: the caller replicates it and
+warns once, naming the primitive and where it was called.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+from autopar.rules.factors import Dims, Rule
+
+Shape = tuple[int, ...]
+RuleFn = Callable[[list[Shape], list[Shape], dict[str, Any]], Rule]
+
+ELEMENTWISE = {
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
+    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow",
+    "is_finite", "le", "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "or", "population_count", "pow", "real", "reduce_precision",
+    "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
+    "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out",
+}
+REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+              "reduce_xor"}
+CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+
+
+class _Factors:
+    """Hands out fresh factor names and records their sizes."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}
+        self._names = (f"f{i}" for i in itertools.count())
+
+    def new(self, size: int) -> str | None:
+        if size <= 1:
+            return None  # a dimension of size 1 cannot be split
+        name = next(self._names)
+        self.sizes[name] = size
+        return name
+
+    def dims(self, shape: Shape) -> Dims:
+        return tuple(self.new(d) for d in shape)
+
+    def rule(self, operands: list[Dims], results: list[Dims]) -> Rule:
+        return Rule(tuple(operands), tuple(results), self.sizes)
+
+
+def elementwise(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Operands of the result's shape share its factors; size-1 (broadcast) dims and scalars don't."""
+    fs = _Factors()
+    result = fs.dims(outs[0])
+    operands = [tuple(f if len(s) == len(outs[0]) and d == outs[0][i] else None
+                      for i, (f, d) in enumerate(zip(result, s))) if s else () for s in ins]
+    return fs.rule(operands, [result] * len(outs))
+
+
+def broadcast_in_dim(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    result = list(fs.dims(outs[0]))
+    operand = tuple(result[o] if d == outs[0][o] else None
+                    for d, o in zip(ins[0], params["broadcast_dimensions"]))
+    return fs.rule([operand, *[() for _ in ins[1:]]], [tuple(result)])
+
+
+def transpose(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    operand = fs.dims(ins[0])
+    return fs.rule([operand], [tuple(operand[p] for p in params["permutation"])])
+
+
+def reshape(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Split and merge of dimensions: the major dimensions of each group share a factor.
+
+    Splitting (b*t) into (b, t) keeps a split of b*t into contiguous blocks as a split of b, when
+    the axis size divides b: the factor takes the smaller major size.
+    """
+    src, dst = ins[0], outs[0]
+    fs = _Factors()
+    operand: list[str | None] = [None] * len(src)
+    result: list[str | None] = [None] * len(dst)
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        if src[i] == 1:
+            i += 1
+            continue
+        if dst[j] == 1:
+            j += 1
+            continue
+        i0, j0, a, b = i, j, src[i], dst[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b and i < len(src):
+                a, i = a * src[i], i + 1
+            elif b < a and j < len(dst):
+                b, j = b * dst[j], j + 1
+            else:
+                break
+        f = fs.new(min(src[i0], dst[j0]))
+        if f is not None and max(src[i0], dst[j0]) % min(src[i0], dst[j0]) == 0:
+            operand[i0], result[j0] = f, f
+    return fs.rule([tuple(operand), *[() for _ in ins[1:]]], [tuple(result)])
+
+
+def squeeze(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    dropped = {d % len(ins[0]) for d in params["dimensions"]}
+    operand = fs.dims(ins[0])
+    return fs.rule([operand], [tuple(f for k, f in enumerate(operand) if k not in dropped)])
+
+
+def expand_dims(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    return reshape(ins, outs, params)
+
+
+def reduction(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Reduced dimensions are reduction factors: split, they leave partials for an all-reduce."""
+    fs = _Factors()
+    operand = fs.dims(ins[0])
+    axes = set(params["axes"])
+    result = tuple(f for k, f in enumerate(operand) if k not in axes)
+    return fs.rule([operand] + [() for _ in ins[1:]], [result] * len(outs))
+
+
+def argminmax(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """An index cannot be all-reduced: the reduced dimension stays whole."""
+    fs = _Factors()
+    axes = set(params["axes"])
+    operand = tuple(None if k in axes else fs.new(d) for k, d in enumerate(ins[0]))
+    return fs.rule([operand], [tuple(f for k, f in enumerate(operand) if k not in axes)])
+
+
+def along_axis_whole(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Cumulative ops and sort: the axis they run along stays whole."""
+    fs = _Factors()
+    axis = params.get("axis", params.get("dimension", 0)) % len(outs[0])
+    dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
+    return fs.rule([dims] * len(ins), [dims] * len(outs))
+
+
+def dot_general(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    fs = _Factors()
+    lhs: list[str | None] = [None] * len(ins[0])
+    rhs: list[str | None] = [None] * len(ins[1])
+    batch = []
+    for l, r in zip(lb, rb):
+        f = fs.new(ins[0][l])
+        lhs[l], rhs[r] = f, f
+        batch.append(f)
+    for l, r in zip(lc, rc):
+        f = fs.new(ins[0][l])
+        lhs[l], rhs[r] = f, f
+    lfree = [k for k in range(len(ins[0])) if k not in lb and k not in lc]
+    rfree = [k for k in range(len(ins[1])) if k not in rb and k not in rc]
+    for k in lfree:
+        lhs[k] = fs.new(ins[0][k])
+    for k in rfree:
+        rhs[k] = fs.new(ins[1][k])
+    result = tuple(batch + [lhs[k] for k in lfree] + [rhs[k] for k in rfree])
+    return fs.rule([tuple(lhs), tuple(rhs)], [result])
+
+
+def conv(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Batch and output features split freely; input features are a reduction factor.
+
+    Spatial dimensions stay whole (splitting them needs halo exchange).
+    """
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    fs = _Factors()
+    lhs: list[str | None] = [None] * len(ins[0])
+    rhs: list[str | None] = [None] * len(ins[1])
+    out: list[str | None] = [None] * len(outs[0])
+    b = fs.new(ins[0][lhs_spec[0]]) if params.get("batch_group_count", 1) == 1 else None
+    lhs[lhs_spec[0]], out[out_spec[0]] = b, b
+    o = fs.new(ins[1][rhs_spec[0]]) if params.get("feature_group_count", 1) == 1 else None
+    rhs[rhs_spec[0]], out[out_spec[0 + 1]] = o, o
+    if params.get("feature_group_count", 1) == 1 and params.get("batch_group_count", 1) == 1:
+        c = fs.new(ins[0][lhs_spec[1]])
+        lhs[lhs_spec[1]], rhs[rhs_spec[1]] = c, c
+    return fs.rule([tuple(lhs), tuple(rhs)], [tuple(out)])
+
+
+def concatenate(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    axis = params["dimension"]
+    dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
+    return fs.rule([dims] * len(ins), [dims])
+
+
+def _whole_dims_shared(ins: list[Shape], outs: list[Shape], keep: list[bool],
+                       extra_operands: int) -> Rule:
+    """Dims marked keep share a factor between operand 0 and the result; the rest stay whole."""
+    fs = _Factors()
+    dims = tuple(fs.new(d) if k else None for d, k in zip(outs[0], keep))
+    return fs.rule([dims] + [() for _ in range(extra_operands)], [dims])
+
+
+def slice_rule(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    strides = params.get("strides") or (1,) * len(ins[0])
+    keep = [s == 0 and e == d and st == 1 for s, e, st, d in
+            zip(params["start_indices"], params["limit_indices"], strides, ins[0])]
+    return _whole_dims_shared(ins, outs, keep, len(ins) - 1)
+
+
+def pad(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    keep = [cfg == (0, 0, 0) for cfg in map(tuple, params["padding_config"])]
+    return _whole_dims_shared(ins, outs, keep, len(ins) - 1)
+
+
+def dynamic_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    keep = [s == d for s, d in zip(params["slice_sizes"], ins[0])]
+    return _whole_dims_shared(ins, outs, keep, len(ins) - 1)
+
+
+def dynamic_update_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    dims = tuple(fs.new(d) if u == d else None for u, d in zip(ins[1], ins[0]))
+    return fs.rule([dims, dims] + [() for _ in ins[2:]], [dims])
+
+
+def gather(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Embedding lookup: index batch dims and whole operand slices split; indexed dims stay whole."""
+    dn = params["dimension_numbers"]
+    fs = _Factors()
+    operand: list[str | None] = [None] * len(ins[0])
+    indices: list[str | None] = [None] * len(ins[1])
+    result: list[str | None] = [None] * len(outs[0])
+    offset_operand = [k for k in range(len(ins[0]))
+                      if k not in dn.collapsed_slice_dims and k not in dn.operand_batching_dims]
+    for out_dim, k in zip(dn.offset_dims, offset_operand):
+        if params["slice_sizes"][k] == ins[0][k] and k not in dn.start_index_map:
+            f = fs.new(ins[0][k])
+            operand[k], result[out_dim] = f, f
+    batch_out = [d for d in range(len(outs[0])) if d not in dn.offset_dims]
+    index_batch = [d for d in range(len(ins[1])) if d != len(ins[1]) - 1]
+    if len(index_batch) == len(batch_out) and not dn.operand_batching_dims:
+        for d_out, d_idx in zip(batch_out, index_batch):
+            if ins[1][d_idx] == outs[0][d_out]:
+                f = fs.new(outs[0][d_out])
+                indices[d_idx], result[d_out] = f, f
+    return fs.rule([tuple(operand), tuple(indices)], [tuple(result)])
+
+
+def scatter(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Window dims split with the operand; for scatter-add, the scattered (batch) dims of the
+    updates are a reduction factor: every device adds its share, then an all-reduce sums them."""
+    dn = params["dimension_numbers"]
+    fs = _Factors()
+    operand: list[str | None] = [None] * len(ins[0])
+    indices: list[str | None] = [None] * len(ins[1])
+    updates: list[str | None] = [None] * len(ins[2])
+    window_operand = [k for k in range(len(ins[0]))
+                      if k not in dn.inserted_window_dims and k not in dn.operand_batching_dims]
+    for u_dim, k in zip(dn.update_window_dims, window_operand):
+        if ins[2][u_dim] == ins[0][k] and k not in dn.scatter_dims_to_operand_dims:
+            f = fs.new(ins[0][k])
+            operand[k], updates[u_dim] = f, f
+    if params.get("_additive") and not dn.operand_batching_dims:
+        scatter_dims = [d for d in range(len(ins[2])) if d not in dn.update_window_dims]
+        index_batch = [d for d in range(len(ins[1])) if d != len(ins[1]) - 1]
+        if len(scatter_dims) == len(index_batch):
+            for d_u, d_i in zip(scatter_dims, index_batch):
+                if ins[2][d_u] == ins[1][d_i]:
+                    f = fs.new(ins[2][d_u])
+                    updates[d_u], indices[d_i] = f, f
+    return fs.rule([tuple(operand), tuple(indices), tuple(updates)], [tuple(operand)])
+
+
+def scatter_add(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    return scatter(ins, outs, {**params, "_additive": True})
+
+
+def iota(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    return fs.rule([() for _ in ins], [fs.dims(outs[0])])
+
+
+def window(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Pooling: dims with a window of 1, stride 1 and no padding split freely."""
+    n = len(ins[0])
+    dims_ = params.get("window_dimensions", (1,) * n)
+    strides = params.get("window_strides", (1,) * n)
+    padding = params.get("padding", ((0, 0),) * n)
+    keep = [w == 1 and s == 1 and tuple(p) == (0, 0) for w, s, p in zip(dims_, strides, padding)]
+    fs = _Factors()
+    dims = tuple(fs.new(d) if k else None for d, k in zip(ins[0], keep))
+    return fs.rule([dims] * len(ins), [dims] * len(outs))
+
+
+def scan_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """A scanned-over input: one slice per iteration; the iteration dim stays whole."""
+    fs = _Factors()
+    dims = fs.dims(outs[0])
+    return fs.rule([(None, *dims)], [dims])
+
+
+def scan_stack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    fs = _Factors()
+    dims = fs.dims(ins[0])
+    return fs.rule([dims], [(None, *dims)])
+
+
+def while_loop(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Each carried value keeps one sharding across iterations; loop constants stay whole."""
+    n_consts = params["cond_nconsts"] + params["body_nconsts"]
+    fs = _Factors()
+    carries = [fs.dims(s) for s in outs]
+    return fs.rule([tuple(None for _ in s) for s in ins[:n_consts]] + carries, carries)
+
+
+RULES: dict[str, RuleFn] = {
+    **{name: elementwise for name in ELEMENTWISE},
+    **{name: reduction for name in REDUCTIONS},
+    **{name: along_axis_whole for name in CUMULATIVE},
+    "argmax": argminmax, "argmin": argminmax, "sort": along_axis_whole,
+    "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "reshape": reshape,
+    "squeeze": squeeze, "expand_dims": expand_dims, "dot_general": dot_general,
+    "conv_general_dilated": conv, "concatenate": concatenate, "slice": slice_rule, "pad": pad,
+    "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
+    "gather": gather, "scatter-add": scatter_add, "scatter_add": scatter_add, "scatter": scatter,
+    "iota": iota, "reduce_window_sum": window, "reduce_window_max": window,
+    "reduce_window_min": window, "reduce_window": window, "select_and_scatter_add": window,
+    "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop,
+}
+
+
+def rule_for(primitive: str, ins: list[Shape], outs: list[Shape], params: dict) -> Rule | None:
+    """The rule of one operator, or None when the primitive has none (replicate it)."""
+    fn = RULES.get(primitive)
+    if fn is None:
+        return None
+    try:
+        return fn(ins, outs, params)
+    except (KeyError, AttributeError, TypeError, ValueError, IndexError):
+        return None  # params of a form the rule does not know: replicate rather than guess
+
+
+def replicated_rule(ins: list[Shape], outs: list[Shape]) -> Rule:
+    """The default rule: nothing split."""
+    return Rule(tuple((None,) * len(s) for s in ins), tuple((None,) * len(s) for s in outs), {})

@@ -1,0 +1,253 @@
+"""Tracing: a step function and its arguments become an OpGraph.
+
+The whole step goes through `jax.make_jaxpr`, so the backward pass and the optimizer update are
+in the graph. Calls (`jit`, `closed_call`, custom derivatives, `remat`) are inlined. A `scan` is
+kept whole for execution, and its body is inlined once into the planning view with its costs
+scaled by the trip count, so the body's operators are planned like any other and the loop carry is
+tied to one sharding across iterations.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import source_info_util
+from jax.extend.core import Literal
+
+from autopar.ir import Op, OpGraph, Step, Tensor
+
+# Primitives whose body is inlined: they only group equations, they do not change semantics.
+CALL_PRIMITIVES = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+}
+
+
+def path_to_str(keypath: Sequence[Any]) -> str:
+    """'params/Dense_0/kernel' from a jax key path."""
+    parts = []
+    for key in keypath:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def argument_names(fn: Callable, count: int) -> list[str]:
+    """The names of fn's first `count` positional parameters (arg0, arg1, ... where unknown)."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:count]]
+    return names + [f"arg{i}" for i in range(len(names), count)]
+
+
+def leaf_paths(tree: Any, prefix: str) -> list[str]:
+    """Slash-joined path of every leaf of `tree`, under `prefix`."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return ["/".join(p for p in (prefix, path_to_str(kp)) if p) for kp, _ in leaves]
+
+
+@dataclass
+class _Builder:
+    tensors: list[Tensor] = field(default_factory=list)
+    ops: list[dict] = field(default_factory=list)
+    program: list[Step] = field(default_factory=list)
+    const_values: dict[int, Any] = field(default_factory=dict)
+
+    def tensor(self, aval: Any, path: str | None = None, const: bool = False) -> int:
+        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+        dtype = str(getattr(aval, "dtype", "token"))
+        self.tensors.append(Tensor(len(self.tensors), shape, dtype, path, const))
+        return len(self.tensors) - 1
+
+    def constant(self, value: Any, aval: Any) -> int:
+        tid = self.tensor(aval, const=True)
+        self.const_values[tid] = value
+        return tid
+
+    def is_const(self, tid: int) -> bool:
+        return self.tensors[tid].const
+
+    def add_op(self, primitive: str, inputs: Sequence[int], outputs: Sequence[int],
+               params: dict, source: str, repeat: int) -> int:
+        self.ops.append(dict(primitive=primitive, inputs=tuple(inputs), outputs=tuple(outputs),
+                             params=params, source=source, repeat=repeat))
+        return len(self.ops) - 1
+
+    # -- the walk ------------------------------------------------------------------------------
+    def walk(self, jaxpr: Any, consts: Sequence[int], args: Sequence[int], repeat: int,
+             execute: bool) -> list[int]:
+        """Add jaxpr's equations; returns the tensor ids of its outputs."""
+        env: dict[Any, int] = {}
+        for var, tid in zip(jaxpr.constvars, consts):
+            env[var] = tid
+        for var, tid in zip(jaxpr.invars, args):
+            env[var] = tid
+
+        def read(atom: Any) -> int:
+            if isinstance(atom, Literal):
+                return self.constant(atom.val, atom.aval)
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            inputs = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            source = source_info_util.summarize(eqn.source_info)
+            if name in CALL_PRIMITIVES and CALL_PRIMITIVES[name] in eqn.params:
+                inner = eqn.params[CALL_PRIMITIVES[name]]
+                inner_jaxpr, inner_consts = _open(inner)
+                const_ids = [self.constant(c, getattr(c, "aval", None) or jax.typeof(c))
+                             for c in inner_consts]
+                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, execute)
+            elif name == "scan":
+                outs = self.scan(eqn, inputs, source, repeat, execute)
+            else:
+                outs = [self.tensor(v.aval) for v in eqn.outvars]
+                const = all(self.is_const(t) for t in inputs) and not eqn.effects
+                if const:
+                    self._mark_const(outs)
+                    requires: tuple = (None,) * len(inputs)
+                else:
+                    op = self.add_op(name, inputs, outs, dict(eqn.params), source, repeat)
+                    requires = tuple(None if self.is_const(t) else (op, i)
+                                     for i, t in enumerate(inputs))
+                if execute:
+                    self.program.append(Step(eqn, tuple(inputs), tuple(outs), requires))
+            for var, tid in zip(eqn.outvars, outs):
+                env[var] = tid
+        return [read(v) for v in jaxpr.outvars]
+
+    def _mark_const(self, ids: Sequence[int]) -> None:
+        for t in ids:
+            old = self.tensors[t]
+            self.tensors[t] = Tensor(old.id, old.shape, old.dtype, old.path, True)
+
+    def scan(self, eqn: Any, inputs: list[int], source: str, repeat: int,
+             execute: bool) -> list[int]:
+        """Plan a scan's body once (costs x length); execute the scan whole."""
+        p = eqn.params
+        body, body_consts = _open(p["jaxpr"])
+        n_const, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        consts = inputs[:n_const]
+        carries = inputs[n_const:n_const + n_carry]
+        xs = inputs[n_const + n_carry:]
+        outs = [self.tensor(v.aval) for v in eqn.outvars]
+        requires: list = [None] * len(inputs)
+
+        body_const_ids = [self.constant(c, jax.typeof(c)) for c in body_consts]
+        carry_in, carry_ops = [], []
+        for i, (var, init) in enumerate(zip(body.invars[n_const:n_const + n_carry], carries)):
+            tid = self.tensor(var.aval, const=self.is_const(init))
+            carry_in.append(tid)
+            # The carry op ties the initial value and the body's carry-out to one sharding; its
+            # second operand is filled in once the body has been walked.
+            op = self.add_op("scan_carry", (init,), (tid,), {}, source, repeat)
+            carry_ops.append(op)
+            requires[n_const + i] = (op, 0)
+        x_in = []
+        for i, (var, x) in enumerate(zip(body.invars[n_const + n_carry:], xs)):
+            tid = self.tensor(var.aval, const=self.is_const(x))
+            x_in.append(tid)
+            if not self.is_const(x):
+                op = self.add_op("scan_slice", (x,), (tid,), {"reverse": p["reverse"]}, source, repeat)
+                requires[n_const + n_carry + i] = (op, 0)
+        body_outs = self.walk(body, body_const_ids, [*consts, *carry_in, *x_in],
+                              repeat * length, execute=False)
+        for op, out in zip(carry_ops, body_outs[:n_carry]):
+            self.ops[op]["inputs"] = self.ops[op]["inputs"] + (out,)
+        for k, (body_out, out) in enumerate(zip(body_outs, outs)):
+            kind = "scan_carry_out" if k < n_carry else "scan_stack"
+            if self.is_const(body_out):
+                self._mark_const([out])
+            else:
+                self.add_op(kind, (body_out,), (out,), {}, source, repeat)
+        if execute:
+            self.program.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires)))
+        return outs
+
+
+def _open(closed_or_open: Any) -> tuple[Any, list]:
+    if hasattr(closed_or_open, "jaxpr") and hasattr(closed_or_open, "consts"):
+        return closed_or_open.jaxpr, list(closed_or_open.consts)
+    return closed_or_open, []
+
+
+def trace(fn: Callable, args: Sequence[Any]) -> tuple[OpGraph, Any, Any]:
+    """Trace `fn(*args)` into an OpGraph.
+
+    Returns the graph, the treedef of the arguments and the output shapes (a pytree of
+    ShapeDtypeStruct).
+    """
+    names = argument_names(fn, len(args))
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    b = _Builder()
+    in_paths = [p for name, a in zip(names, args) for p in leaf_paths(a, name)]
+    inputs = [b.tensor(v.aval, path) for v, path in zip(closed.jaxpr.invars, in_paths)]
+    consts = [b.constant(c, jax.typeof(c)) for c in closed.consts]
+    outs = b.walk(closed.jaxpr, consts, inputs, repeat=1, execute=True)
+
+    out_paths = leaf_paths(out_shape, "out")
+    # An output that is an input passed through, a constant, or listed twice gets its own tensor
+    # so that every output path has one.
+    seen: set[int] = set()
+    final_outs = []
+    for tid, path in zip(outs, out_paths):
+        t = b.tensors[tid]
+        if tid in seen or t.path is not None or t.const:
+            # eqn None: the lowering copies the value through.
+            new = len(b.tensors)
+            b.tensors.append(Tensor(new, t.shape, t.dtype, path, t.const))
+            requires: tuple = (None,)
+            if not t.const:
+                requires = ((b.add_op("copy_p", (tid,), (new,), {}, "output", 1), 0),)
+            b.program.append(Step(None, (tid,), (new,), requires))
+            tid = new
+        else:
+            b.tensors[tid] = Tensor(t.id, t.shape, t.dtype, path, t.const)
+        seen.add(tid)
+        final_outs.append(tid)
+
+    ops = tuple(Op(i, **o) for i, o in enumerate(b.ops))
+    graph = OpGraph(tuple(b.tensors), ops, tuple(b.program), tuple(inputs), tuple(final_outs),
+                    b.const_values, state_pairs(args, out_shape, len(inputs)))
+    return graph, jax.tree_util.tree_structure(tuple(args)), out_shape
+
+
+def state_pairs(args: Sequence[Any], out_shape: Any, n_inputs: int) -> dict[int, int]:
+    """Output leaf index -> input leaf index, for outputs that are the next value of an input.
+
+    A train step returns its new state; the state's next sharding must equal its current one,
+    or every call would start with a resharding. An argument pairs with the whole output or one
+    top-level element of it when the tree structures and leaf shapes agree.
+    """
+    def signature(tree: Any) -> tuple:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", ""))) for x in leaves)
+
+    candidates = [(0, out_shape)]
+    if isinstance(out_shape, (tuple, list)):
+        offsets = np.cumsum([0] + [len(jax.tree_util.tree_leaves(o)) for o in out_shape])
+        candidates += [(int(off), o) for off, o in zip(offsets, out_shape)]
+    pairs: dict[int, int] = {}
+    used: set[int] = set()
+    in_offset = 0
+    for arg in args:
+        n = len(jax.tree_util.tree_leaves(arg))
+        sig = signature(arg)
+        for k, (off, cand) in enumerate(candidates):
+            if k not in used and n and signature(cand) == sig:
+                used.add(k)
+                pairs.update({off + j: in_offset + j for j in range(n)})
+                break
+        in_offset += n
+    return pairs

@@ -1,0 +1,36 @@
+"""Combinatorial search for per-operator parallelisation strategies.
+
+Pure optimisation over a :class:`CostGraph` (numpy only): pick one strategy
+per node minimising node plus pairwise edge costs.  Backends register
+themselves in :data:`BACKENDS`; :func:`solve` dispatches by name.
+"""
+
+from .costgraph import (
+    BACKENDS,
+    CostGraph,
+    CostGraphBuilder,
+    InfeasibleError,
+    SearchTooLargeError,
+    Solution,
+    register_backend,
+    solve,
+)
+
+# Imported for their side effect of registering a backend.
+from . import brute_force as brute_force  # noqa: E402
+from . import dynamic_programming as dynamic_programming  # noqa: E402
+from .brute_force import solve_brute_force
+from .dynamic_programming import solve_dynamic_programming
+
+__all__ = [
+    "BACKENDS",
+    "CostGraph",
+    "CostGraphBuilder",
+    "InfeasibleError",
+    "SearchTooLargeError",
+    "Solution",
+    "register_backend",
+    "solve",
+    "solve_brute_force",
+    "solve_dynamic_programming",
+]

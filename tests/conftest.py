@@ -1,0 +1,11 @@
+"""8 simulated CPU devices for every test, set before JAX starts."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import sys  # noqa: E402
+
+# The example's model zoo (examples/models.py) is shared by tests, example and benchmarks.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

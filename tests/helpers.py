@@ -1,0 +1,51 @@
+"""Shared test helpers: run a step single-device and sharded, and compare."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autopar
+
+def float_leaves(tree):
+    return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+
+def global_relative_error(reference, other) -> float:
+    """||other - reference|| / ||reference|| over all float leaves together."""
+    ref, got = float_leaves(reference), float_leaves(other)
+    assert len(ref) == len(got)
+    num = sum(float(np.sum((a - b) ** 2)) for a, b in zip(ref, got))
+    den = sum(float(np.sum(a ** 2)) for a in ref)
+    return (num / den) ** 0.5
+
+def run_steps(step, state, batch, n):
+    losses = []
+    for _ in range(n):
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    return state, losses
+
+def copy_tree(tree):
+    """Fresh arrays (the sharded step donates its state)."""
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
+
+def check_against_single_device(step, state, batch, mesh, steps=3, state_tol=1e-4, **options):
+    """Train `steps` steps single-device and sharded; compare losses, state and shardings.
+
+    Returns the sharded step's plan.
+    """
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), batch, steps)
+    sharded = autopar.auto_parallel(step, mesh=mesh, **options)
+    new_state, losses = run_steps(sharded, copy_tree(state), batch, steps)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    err = global_relative_error(ref_state, new_state)
+    assert err < state_tol, f"state differs from the single-device run by {err:.2e}"
+    plan = sharded.plan(new_state, batch)
+    out = (new_state, jnp.zeros(()))
+    for leaf, want in zip(jax.tree_util.tree_leaves(out[0]),
+                          jax.tree_util.tree_leaves(plan.output_specs[0],
+                                                    is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        assert leaf.sharding.is_equivalent_to(
+            jax.sharding.NamedSharding(mesh, want), leaf.ndim), (leaf.sharding, want)
+    return plan
