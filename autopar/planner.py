@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 import search
@@ -37,12 +38,13 @@ class Decisions:
         return specs
 
 
-def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str) -> tuple[Decisions, dict]:
-    """Search the strategies of `graph` on `mesh` with `backend`."""
+def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
+          pinned: dict[str, Spec] | None = None) -> tuple[Decisions, dict]:
+    """Search the strategies of `graph` on `mesh` with `backend`, inputs in `pinned` fixed."""
     if backend not in BACKENDS:
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
-    problem = build_problem(graph, mesh, hw)
+    problem = build_problem(graph, mesh, hw, pinned)
     t1 = time.perf_counter()
     try:
         solution = search.solve(problem.graph, backend)
@@ -139,13 +141,38 @@ def peak_memory(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape) -> int:
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: Hardware,
-              backend: str) -> tuple[OpGraph, Decisions, Plan]:
+              backend: str, pinned: dict[str, Spec] | None = None
+              ) -> tuple[OpGraph, Decisions, Plan]:
     """Trace, search and assemble: the whole planning pipeline for one call signature."""
     t0 = time.perf_counter()
     graph, in_tree, out_shape = trace(fn, args)
     t1 = time.perf_counter()
-    decisions, stats = solve(graph, mesh, hw, backend)
+    decisions, stats = solve(graph, mesh, hw, backend, pinned)
     stats["trace_s"] = t1 - t0
-    import jax
     out_tree = jax.tree_util.tree_structure(out_shape)
     return graph, decisions, assemble(graph, decisions, mesh, hw, backend, stats, in_tree, out_tree)
+
+
+def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> dict[str, Spec]:
+    """Plain data parallel as pins: inputs under `batch_prefix` split on their first dimension
+    over every mesh axis, everything else replicated."""
+    everything = tuple(n for n, s in zip(mesh.names, mesh.sizes) if s > 1)
+    pins = {}
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        spec = [()] * len(tensor.shape)
+        if tensor.path.startswith(batch_prefix) and tensor.shape and tensor.shape[0] % mesh.size == 0:
+            spec[0] = everything
+        pins[tensor.path] = tuple(spec)
+    return pins
+
+
+def data_parallel_plan(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: Hardware,
+                       batch_prefix: str) -> Plan:
+    """The baseline a person writes first: batch split over all devices, the rest replicated,
+    with the operators' strategies searched under those pins."""
+    graph, in_tree, out_shape = trace(fn, args)
+    decisions, stats = solve(graph, mesh, hw, "dynamic_programming",
+                             data_parallel_pins(graph, mesh, batch_prefix))
+    return assemble(graph, decisions, mesh, hw, "data_parallel", stats, in_tree,
+                    jax.tree_util.tree_structure(out_shape))

@@ -99,8 +99,12 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
     return (same or live)[0]
 
 
-def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware) -> Problem:
-    """The CostGraph of `graph` on `mesh` under the cost model of `hw`."""
+def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
+                  pinned: dict[str, Spec] | None = None) -> Problem:
+    """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
+
+    `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
+    """
     units = make_units(graph)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     node_of: list[int] = []
@@ -130,6 +134,9 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware) -> Problem:
     for u, unit in enumerate(units):
         if unit.op is not None:
             node_costs[node_of[u]] += _unit_costs(unit.op, choices[u], graph.tensors, mesh, hw)
+        elif pinned and unit.name in pinned:
+            allowed = np.array([s.out_specs[0] == pinned[unit.name] for s in choices[u]])
+            node_costs[node_of[u]][~allowed] = np.inf
 
     edges: list[tuple[int, int, np.ndarray]] = []
 
