@@ -179,7 +179,7 @@ def conv(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     b = fs.new(ins[0][lhs_spec[0]]) if params.get("batch_group_count", 1) == 1 else None
     lhs[lhs_spec[0]], out[out_spec[0]] = b, b
     o = fs.new(ins[1][rhs_spec[0]]) if params.get("feature_group_count", 1) == 1 else None
-    rhs[rhs_spec[0]], out[out_spec[0 + 1]] = o, o
+    rhs[rhs_spec[0]], out[out_spec[1]] = o, o
     if params.get("feature_group_count", 1) == 1 and params.get("batch_group_count", 1) == 1:
         c = fs.new(ins[0][lhs_spec[1]])
         lhs[lhs_spec[1]], rhs[rhs_spec[1]] = c, c

@@ -1,0 +1,82 @@
+"""Sharding rules in factor notation, and the cost model's formulas."""
+import pytest
+
+from autopar.cost import PROFILES
+from autopar.cost.model import all_gather, all_reduce, all_to_all, reshard_time
+from autopar.ir import Tensor
+from autopar.mesh import MeshShape
+from autopar.rules import enumerate_strategies, follow, rule_for, to_partition_spec
+from jax.sharding import PartitionSpec as P
+
+MESH = MeshShape(("data", "model"), (2, 4))
+HW = PROFILES["a100"]
+
+
+def test_dot_general_factors_and_partial_sums():
+    rule = rule_for("dot_general", [(8, 16), (16, 32)], [(8, 32)],
+                    {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    b, i = rule.operands[0]
+    assert rule.operands[1] == (i, rule.results[0][1])
+    assert rule.results[0][0] == b
+    assert rule.reduction_factors == {i}
+    strategies = enumerate_strategies(rule, MESH)
+    # 3 factors, 2 axes: each axis on one of them or none, all sizes divisible
+    assert len(strategies) == 16
+    megatron_row = [s for s in strategies if dict(s.assignment) == {i: ("model",), b: ("data",)}]
+    assert megatron_row and megatron_row[0].partial_axes == ("model",)
+    assert to_partition_spec(megatron_row[0].in_specs[1]) == P("model")
+
+
+def test_indivisible_dimension_never_split():
+    rule = rule_for("dot_general", [(6, 16), (16, 32)], [(6, 32)],
+                    {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    for s in enumerate_strategies(rule, MESH):
+        assert "model" not in s.in_specs[0][0], "6 rows cannot be split 4 ways"
+
+
+def test_reshape_split_and_merge_share_major_factor():
+    rule = rule_for("reshape", [(8, 16, 32)], [(128, 32)], {"new_sizes": (128, 32), "dimensions": None})
+    assert rule.operands[0][0] == rule.results[0][0] is not None
+    assert rule.operands[0][1] is None
+    assert rule.operands[0][2] == rule.results[0][1]
+
+
+def test_follow_keeps_incoming_sharding():
+    rule = rule_for("reduce_sum", [(8, 32)], [(8,)], {"axes": (1,)})
+    s = follow(rule, MESH, 0, (("data",), ("model",)))
+    assert s.in_specs[0] == (("data",), ("model",))
+    assert s.out_specs[0] == (("data",),)
+    assert s.partial_axes == ("model",)
+
+
+def test_gather_embedding_lookup():
+    from jax import lax
+    dn = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
+                                    start_index_map=(0,))
+    rule = rule_for("gather", [(64, 32), (8, 16, 1)], [(8, 16, 32)],
+                    {"dimension_numbers": dn, "slice_sizes": (1, 32)})
+    table, idx = rule.operands
+    assert table[0] is None and table[1] == rule.results[0][2]
+    assert idx[:2] == rule.results[0][:2]
+
+
+def test_unknown_primitive_has_no_rule():
+    assert rule_for("my_custom_op", [(4,)], [(4,)], {}) is None
+
+
+def test_collective_formulas():
+    b = 1e9
+    assert all_reduce(b, 4, HW) == pytest.approx(HW.link_latency + 2 * 3 / 4 * b / HW.link_bandwidth)
+    assert all_gather(b, 4, HW) == pytest.approx(HW.link_latency + 3 / 4 * b / HW.link_bandwidth)
+    assert all_to_all(b, 4, HW) == pytest.approx(HW.link_latency + 3 / 8 * b / HW.link_bandwidth)
+    assert all_reduce(b, 1, HW) == 0.0
+
+
+def test_reshard_costs():
+    t = Tensor(0, (64, 64), "float32")
+    rep = ((), ())
+    row = (("data",), ())
+    col = ((), ("data",))
+    assert reshard_time(t, rep, row, MESH, HW) == 0.0  # slicing is free
+    assert reshard_time(t, row, rep, MESH, HW) == pytest.approx(all_gather(t.nbytes, 2, HW))
+    assert reshard_time(t, row, col, MESH, HW) == pytest.approx(all_to_all(t.nbytes / 2, 2, HW))
