@@ -150,3 +150,26 @@ def nnx_setup(batch: int = 32, features: int = 24, hidden: int = 64, out: int = 
         return (optax.apply_updates(params, updates), opt_state), value
 
     return step, (params, tx.init(params)), {"inputs": x, "targets": y}
+
+
+class CNN(nn.Module):
+    """Two convolutions with pooling, then a classifier."""
+
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.avg_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        return nn.Dense(self.classes)(x.reshape(x.shape[0], -1))
+
+
+def cnn_setup(batch: int = 16, size: int = 8, seed: int = 0, learning_rate: float = 1e-3):
+    model = CNN()
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(k1, (batch, size, size, 3))
+    y = jax.random.randint(k2, (batch,), 0, model.classes)
+    params = model.init(k3, x)
+    tx = optax.adamw(learning_rate)
+    return linen_step(model, token_loss, tx), (params, tx.init(params)), {"inputs": x, "targets": y}

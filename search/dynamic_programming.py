@@ -157,6 +157,24 @@ def _dominated(blocks: list[np.ndarray]) -> np.ndarray:
     both monotone, so all pairs are screened on those few numbers and only
     the survivors are compared column by column.
     """
+    k = blocks[0].shape[0]
+    gone = np.ones(k, dtype=bool)
+    # Strategies often differ only in their own cost (same layout towards
+    # every neighbour); a dictionary on the neighbour-facing part settles
+    # those groups in linear time before the quadratic pair check.
+    cost = blocks[0][:, 0]
+    facing = np.hstack(blocks[1:]) if len(blocks) > 1 else np.zeros((k, 0))
+    best: dict[bytes, int] = {}
+    for i in range(k):
+        key = facing[i].tobytes()
+        j = best.get(key)
+        if j is None or cost[i] < cost[j]:
+            best[key] = i
+    rep = np.array(sorted(best.values()))
+    if rep.size == 1:
+        gone[rep] = False
+        return gone
+    blocks = [b[rep] for b in blocks]
     feats = np.hstack(blocks)
     k = feats.shape[0]
     finite = np.isfinite(feats)
@@ -179,7 +197,8 @@ def _dominated(blocks: list[np.ndarray]) -> np.ndarray:
     dom[pb, pa] = True
     earlier = np.arange(k)[:, None] < np.arange(k)[None, :]
     # Equal rows dominate each other; only the later one of such a pair goes.
-    return (dom & (~dom.T | earlier)).any(axis=0)
+    gone[rep[~(dom & (~dom.T | earlier)).any(axis=0)]] = False
+    return gone
 
 
 def _eliminate(

@@ -1,6 +1,8 @@
 """Shared test helpers: run a step single-device and sharded, and compare."""
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,10 @@ def check_against_single_device(step, state, batch, mesh, steps=3, state_tol=1e-
     """
     ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), batch, steps)
     sharded = autopar.auto_parallel(step, mesh=mesh, **options)
-    new_state, losses = run_steps(sharded, copy_tree(state), batch, steps)
+    with warnings.catch_warnings():
+        # every primitive of the test models has a rule: a fallback would be a regression
+        warnings.simplefilter("error", autopar.AutoparWarning)
+        new_state, losses = run_steps(sharded, copy_tree(state), batch, steps)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     err = global_relative_error(ref_state, new_state)
     assert err < state_tol, f"state differs from the single-device run by {err:.2e}"

@@ -67,3 +67,8 @@ def test_inputs_placed_for_the_user():
     state = jax.tree_util.tree_map(jnp.array, state)
     _, loss = sharded(state, numpy_batch)
     assert np.isfinite(float(loss))
+
+
+def test_linen_cnn():
+    step, state, batch = models.cnn_setup()
+    check_against_single_device(step, state, batch, autopar.make_mesh(MESHES["2x4"]))

@@ -276,6 +276,12 @@ def scatter_add(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     return scatter(ins, outs, {**params, "_additive": True})
 
 
+def rev(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Reversed dimensions stay whole; the others split freely."""
+    keep = [k not in params["dimensions"] for k in range(len(ins[0]))]
+    return _whole_dims_shared(ins, outs, keep, 0)
+
+
 def iota(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     fs = _Factors()
     return fs.rule([() for _ in ins], [fs.dims(outs[0])])
@@ -324,7 +330,7 @@ RULES: dict[str, RuleFn] = {
     "conv_general_dilated": conv, "concatenate": concatenate, "slice": slice_rule, "pad": pad,
     "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
     "gather": gather, "scatter-add": scatter_add, "scatter_add": scatter_add, "scatter": scatter,
-    "iota": iota, "reduce_window_sum": window, "reduce_window_max": window,
+    "iota": iota, "rev": rev, "reduce_window_sum": window, "reduce_window_max": window,
     "reduce_window_min": window, "reduce_window": window, "select_and_scatter_add": window,
     "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop,
 }
