@@ -9,6 +9,7 @@ import numpy as np
 
 import autopar
 
+
 def float_leaves(tree):
     return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
