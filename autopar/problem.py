@@ -26,7 +26,7 @@ from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).
 DECIDERS = {"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
-            "scatter_add", "while"}
+            "scatter_add", "while", "cond"}
 
 
 class AutoparWarning(UserWarning):

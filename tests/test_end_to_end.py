@@ -1,4 +1,6 @@
 """Sharded runs equal single-device runs: losses per step, the whole state, output shardings."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import models
@@ -72,3 +74,26 @@ def test_inputs_placed_for_the_user():
 def test_linen_cnn():
     step, state, batch = models.cnn_setup()
     check_against_single_device(step, state, batch, autopar.make_mesh(MESHES["2x4"]))
+
+
+def test_while_and_cond():
+    def step(w, x):
+        def body(carry):
+            i, h = carry
+            return i + 1, jnp.tanh(h @ w)
+        _, h = jax.lax.while_loop(lambda carry: carry[0] < 3, body, (0, x))
+        h = jax.lax.cond(h.sum() > 0, lambda h: h * 2.0, lambda h: h - 1.0, h)
+        loss = (h ** 2).mean()
+        return w - 0.1 * jax.grad(lambda w: (jnp.tanh(x @ w) ** 2).mean())(w), loss
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) * 0.3
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
+    ref_w, ref_loss = jax.jit(step)(w, x)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(MESHES["2x4"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.AutoparWarning)
+        new_w, loss = sharded(jnp.array(w), x)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(new_w), np.asarray(ref_w), rtol=1e-5, atol=1e-6)
+    plan = sharded.plan(new_w, x)
+    assert {"while", "cond"} <= {o.primitive for o in plan.ops}

@@ -320,6 +320,23 @@ def while_loop(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     return fs.rule([tuple(None for _ in s) for s in ins[:n_consts]] + carries, carries)
 
 
+def cond(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """A branch's result of an operand's shape keeps that operand's sharding (a cond that
+    updates its operands); the branch index and everything else stay whole."""
+    fs = _Factors()
+    operands: list[Dims] = [tuple(None for _ in s) for s in ins]
+    results: list[Dims] = []
+    for shape in outs:
+        match = next((i for i in range(1, len(ins))
+                      if ins[i] == shape and all(f is None for f in operands[i])), None)
+        if match is None:
+            results.append(tuple(None for _ in shape))
+        else:
+            operands[match] = fs.dims(shape)
+            results.append(operands[match])
+    return fs.rule(operands, results)
+
+
 RULES: dict[str, RuleFn] = {
     **{name: elementwise for name in ELEMENTWISE},
     **{name: reduction for name in REDUCTIONS},
@@ -332,7 +349,7 @@ RULES: dict[str, RuleFn] = {
     "gather": gather, "scatter-add": scatter_add, "scatter_add": scatter_add, "scatter": scatter,
     "iota": iota, "rev": rev, "reduce_window_sum": window, "reduce_window_max": window,
     "reduce_window_min": window, "reduce_window": window, "select_and_scatter_add": window,
-    "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop,
+    "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop, "cond": cond,
 }
 
 
