@@ -9,7 +9,6 @@ import jax
 import numpy as np
 
 import search
-from search.bounded import solve_bounded
 from autopar.cost.hardware import Hardware
 from autopar.cost.model import op_time, reshard_time, shard_bytes
 from autopar.errors import AutoparError
@@ -51,7 +50,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     except search.SearchTooLargeError:
         # Too densely connected for exact elimination within memory: bounded elimination gives a
         # plan and a lower bound; stats say how far from optimal it can be at most.
-        solution = solve_bounded(problem.graph, max_factor_size=1e6)
+        solution = search.solve_bounded(problem.graph, max_factor_size=1e6)
     strategies = problem.decode(solution.choice)
     by_tensor = {}
     ops: list[Strategy | None] = [None] * len(graph.ops)

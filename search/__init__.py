@@ -19,6 +19,7 @@ from .costgraph import (
 # Imported for their side effect of registering a backend.
 from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
+from .bounded import solve_bounded
 from .brute_force import solve_brute_force
 from .dynamic_programming import solve_dynamic_programming
 
@@ -31,6 +32,7 @@ __all__ = [
     "Solution",
     "register_backend",
     "solve",
+    "solve_bounded",
     "solve_brute_force",
     "solve_dynamic_programming",
 ]

@@ -123,7 +123,16 @@ class _Reduced:
         return True
 
     def reduce(self, prune: bool) -> None:
-        """Apply pruning and fixing until nothing changes."""
+        """Fix single-strategy nodes and, with ``prune``, prune until stable.
+
+        Pruning or fixing a node changes what its neighbours see, so they are
+        queued again; every requeue follows a strategy removal, so this ends.
+        """
+        if not prune:
+            for u in range(len(self.unary)):
+                if self.unary[u].shape[0] == 1:
+                    self.fix(u)
+            return
         n = len(self.unary)
         queue = deque(range(n))
         queued = [True] * n
@@ -132,23 +141,17 @@ class _Reduced:
             queued[u] = False
             if u in self.fixed:
                 continue
-            changed = self.prune(u) if prune else False
-            touched: list[int] = []
+            changed = self.prune(u)
             if self.unary[u].shape[0] == 1:
                 touched = self.fix(u)
             elif changed:
                 touched = list(self.adj[u])
-            if prune:
-                for v in touched:
-                    if not queued[v] and v not in self.fixed:
-                        queued[v] = True
-                        queue.append(v)
             else:
-                # Without pruning only chains of newly single-strategy nodes matter.
-                for v in touched:
-                    if self.unary[v].shape[0] == 1 and not queued[v]:
-                        queued[v] = True
-                        queue.append(v)
+                continue
+            for v in touched:
+                if not queued[v]:
+                    queued[v] = True
+                    queue.append(v)
 
 
 def _dominated(blocks: list[np.ndarray]) -> np.ndarray:
@@ -358,7 +361,8 @@ def solve_dynamic_programming(
     merged_edges = len(red.pair)
     strategies_before = sum(int(c.shape[0]) for c in graph.node_costs)
     red.reduce(prune)
-    strategies_after = sum(int(red.unary[u].shape[0]) for u in range(n) if u not in red.fixed)
+    # A fixed node keeps exactly one strategy.
+    strategies_after = sum(1 if u in red.fixed else int(red.unary[u].shape[0]) for u in range(n))
     fixed_nodes = len(red.fixed)
     value, records, elim_stats = _eliminate(red, max_factor_size)
     if not value < math.inf:
