@@ -15,7 +15,7 @@ from autopar.lower import jit_step
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
-from autopar.rules.factors import Strategy, spec_str, to_partition_spec
+from autopar.rules.factors import Strategy, to_partition_spec
 from autopar.trace import trace
 
 

@@ -1,5 +1,4 @@
 """Plans: JSON round trip, reuse without search, abstract planning, errors."""
-import warnings
 
 import jax
 import jax.numpy as jnp
