@@ -40,6 +40,8 @@ class Op:
     params: dict[str, Any] = field(hash=False, compare=False)
     source: str = ""
     repeat: int = 1  # how often it runs per step (trip count of enclosing loops)
+    scope: str = ""  # the module path of its name stack, transformations left out
+    backward: bool = False  # made by transposition: part of the backward pass
 
 
 @dataclass(frozen=True)

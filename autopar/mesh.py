@@ -1,6 +1,7 @@
 """Meshes: the real one used for lowering and the plain description used for planning."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -24,7 +25,11 @@ class MeshShape:
         return math.prod(self.sizes)
 
     def axis_size(self, name: str) -> int:
-        return self.sizes[self.names.index(name)]
+        return self._size_of[name]
+
+    @functools.cached_property
+    def _size_of(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes))
 
     def as_dict(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes))

@@ -15,11 +15,13 @@ from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, TensorPlan
-from autopar.problem import build_problem
+from autopar.problem import Problem, build_problem
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
 
 BACKENDS = ("dynamic_programming",)
+EXACT_TABLE_LIMIT = 2e7  # entries of the largest table exact elimination may build
+BOUNDED_TABLE_LIMIT = 1e6  # table size of mini-bucket elimination (larger is slower, not better)
 
 
 @dataclass
@@ -44,13 +46,12 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
     problem = build_problem(graph, mesh, hw, pinned)
+    if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
+        solution, space = search.solve(problem.graph, backend,
+                                       max_factor_size=EXACT_TABLE_LIMIT), "full"
+    else:
+        problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem)
     t1 = time.perf_counter()
-    try:
-        solution = search.solve(problem.graph, backend)
-    except search.SearchTooLargeError:
-        # Too densely connected for exact elimination within memory: bounded elimination gives a
-        # plan and a lower bound; stats say how far from optimal it can be at most.
-        solution = search.solve_bounded(problem.graph, max_factor_size=1e6)
     strategies = problem.decode(solution.choice)
     by_tensor = {}
     ops: list[Strategy | None] = [None] * len(graph.ops)
@@ -61,9 +62,35 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
             ops[unit.op.id] = st
     inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
-    stats.update(build_problem_s=t1 - t0, search_s=time.perf_counter() - t1,
+    stats.update(space=space, search_s=t1 - t0,
                  objective_s=float(solution.cost), ops=len(graph.ops))
     return Decisions(inputs, ops), stats
+
+
+def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
+                       pinned: dict[str, Spec] | None, full: Problem
+                       ) -> tuple[Problem, search.Solution, str]:
+    """The cheaper of two answers when exact tables for the full space do not fit.
+
+    A training step's forward and backward passes share activations and parameters, which makes
+    its graph too wide for exact elimination on meshes of several axes (docs/decisions.md).
+    Bounded elimination of the full space gives a plan and a lower bound on the optimum; tying
+    each backward operator to its forward one gives a narrower space, solved exactly when it
+    fits. The cheaper plan wins; the bound of the full space says how far from optimal it can be.
+    """
+    bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
+    tied = build_problem(graph, mesh, hw, pinned, tie_backward=True)
+    if search.largest_table(tied.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
+        other = search.solve(tied.graph, "dynamic_programming", max_factor_size=EXACT_TABLE_LIMIT)
+    else:
+        other = search.solve_bounded(tied.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
+    bound = bounded.stats["lower_bound"]
+    problem, best, space = (full, bounded, "full") if bounded.cost <= other.cost else \
+        (tied, other, "backward tied to forward")
+    gap = 0.0 if best.cost <= bound else (best.cost - bound) / best.cost
+    stats = {**best.stats, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
+             "full_space_bounded_s": bounded.cost, "tied_space_s": other.cost}
+    return problem, search.Solution(best.choice, best.cost, stats), space
 
 
 def _plain(v: Any) -> Any:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 import search
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_time, reshard_time
+from autopar.cost.model import op_time, reshard_terms
 from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
-                           replicated_rule, rule_for)
+                           replicated_rule, rule_for, strategy)
+from autopar.ties import backward_ties
 
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).
@@ -100,18 +100,32 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                  pinned: dict[str, Spec] | None = None) -> Problem:
+                  pinned: dict[str, Spec] | None = None, tie_backward: bool = False) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
+    `tie_backward` gives backward dot/conv operators their forward operator's strategy (a
+    smaller space, of smaller elimination width).
     """
     units = make_units(graph)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
+    unit_of_op = {unit.op.id: u for u, unit in enumerate(units) if unit.op is not None}
+    ties = backward_ties(graph, {op_id: units[u].rule for op_id, u in unit_of_op.items()}
+                         ) if tie_backward else {}
     node_of: list[int] = []
     choices: list[list[Strategy]] = []
     roots: list[int] = []
-    reshard = _cached_reshard(mesh, hw)
+    reshard = _Resharding(mesh, hw)
+    followed: dict[tuple, Strategy] = {}  # operators of equal rules follow alike
     for u, unit in enumerate(units):
+        if unit.op is not None and unit.op.id in ties:
+            forward, mapping = ties[unit.op.id]
+            f_unit = unit_of_op[forward]
+            node_of.append(node_of[f_unit])
+            choices.append([strategy(unit.rule, mesh, {b: dict(s.assignment).get(f, ())
+                                                       for b, f in mapping.items()})
+                            for s in choices[f_unit]])
+            continue
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
         if source is None or source[0] >= u:
@@ -121,19 +135,20 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
             continue
         src_unit, k = source
         node_of.append(node_of[src_unit])
-        cache: dict[Spec, Strategy] = {}
         derived = []
         for s in choices[src_unit]:
-            spec = s.out_specs[k]
-            if spec not in cache:
-                cache[spec] = follow(unit.rule, mesh, main, spec)
-            derived.append(cache[spec])
+            key = (unit.rule.key, main, s.out_specs[k])
+            if key not in followed:
+                followed[key] = follow(unit.rule, mesh, main, s.out_specs[k])
+            derived.append(followed[key])
         choices.append(derived)
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
+    op_costs: dict[tuple, float] = {}
     for u, unit in enumerate(units):
         if unit.op is not None:
-            node_costs[node_of[u]] += _unit_costs(unit.op, choices[u], graph.tensors, mesh, hw)
+            node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph.tensors, mesh, hw,
+                                                  op_costs)
         elif pinned and unit.name in pinned:
             allowed = np.array([s.out_specs[0] == pinned[unit.name] for s in choices[u]])
             node_costs[node_of[u]][~allowed] = np.inf
@@ -145,12 +160,11 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         a, b = node_of[producer[t][0]], node_of[dst_u]
         tensor = graph.tensors[t]
         if a == b:  # both lists are indexed by the same node's strategies
-            node_costs[a] += scale * np.array([reshard(tensor, s, d)
-                                               for s, d in zip(src_specs, dst_specs)])
+            node_costs[a] += scale * reshard.cost(tensor, src_specs, dst_specs, paired=True)
             return
         src_idx, src_list = _distinct(src_specs)
         dst_idx, dst_list = _distinct(dst_specs)
-        small = np.array([[reshard(tensor, s, d) for d in dst_list] for s in src_list])
+        small = reshard.cost(tensor, src_list, dst_list, paired=False)
         if small.any():
             edges.append((a, b, scale * small[np.ix_(src_idx, dst_idx)]))
 
@@ -181,20 +195,47 @@ def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:
     return idx, list(index)
 
 
-def _cached_reshard(mesh: MeshShape, hw: Hardware):
-    @lru_cache(maxsize=None)
-    def cost(tensor: Tensor, src: Spec, dst: Spec) -> float:
-        return reshard_time(tensor, src, dst, mesh, hw)
-    return cost
+class _Resharding:
+    """Resharding cost matrices, from terms cached per pair of spec lists: the cost is linear
+    in the tensor's bytes, so one pair of term tables serves every tensor of those specs."""
+
+    def __init__(self, mesh: MeshShape, hw: Hardware) -> None:
+        self.mesh, self.hw = mesh, hw
+        self._terms: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def terms(self, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...],
+              paired: bool) -> tuple[np.ndarray, np.ndarray]:
+        key = (srcs, dsts, paired)
+        if key not in self._terms:
+            pairs = zip(srcs, dsts) if paired else ((s, d) for s in srcs for d in dsts)
+            table = np.array([reshard_terms(s, d, self.mesh) for s in srcs for d in dsts]
+                             if not paired else [reshard_terms(s, d, self.mesh) for s, d in pairs],
+                             dtype=np.float64).reshape(-1, 2)
+            shape = (len(srcs),) if paired else (len(srcs), len(dsts))
+            self._terms[key] = (table[:, 0].reshape(shape), table[:, 1].reshape(shape))
+        return self._terms[key]
+
+    def cost(self, tensor: Tensor, srcs: list[Spec], dsts: list[Spec], paired: bool) -> np.ndarray:
+        """Seconds per (src, dst): elementwise when `paired`, else a matrix."""
+        count, fraction = self.terms(tuple(srcs), tuple(dsts), paired)
+        return count * self.hw.link_latency + fraction * (tensor.nbytes / self.hw.link_bandwidth)
 
 
-def _unit_costs(op: Op, strategies: list[Strategy], tensors, mesh: MeshShape,
-                hw: Hardware) -> np.ndarray:
-    cache: dict[int, float] = {}
+def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, ...],
+                mesh: MeshShape, hw: Hardware, memo: dict[tuple, float]) -> np.ndarray:
+    """Compute plus communication seconds of the unit's op under each strategy.
+
+    `memo` is shared by all units: ops of one primitive, rule and repeat count (the same layer
+    in every block) cost the same under the same strategy.
+    """
+    op = unit.op
+    signature = (op.primitive, unit.rule.key, op.repeat, str(op.params.get("dimension_numbers")),
+                 tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
     out = np.empty(len(strategies))
     for j, s in enumerate(strategies):
-        if id(s) not in cache:
+        key = (signature, s.in_specs, s.out_specs, s.partial_axes)
+        if key not in memo:
             compute, comm = op_time(op, s, tensors, mesh, hw)
-            cache[id(s)] = compute + comm
-        out[j] = cache[id(s)]
+            memo[key] = compute + comm
+        out[j] = memo[key]
     return out

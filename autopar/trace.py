@@ -79,15 +79,23 @@ class _Builder:
         return self.tensors[tid].const
 
     def add_op(self, primitive: str, inputs: Sequence[int], outputs: Sequence[int],
-               params: dict, source: str, repeat: int) -> int:
-        self.ops.append(dict(primitive=primitive, inputs=tuple(inputs), outputs=tuple(outputs),
-                             params=params, source=source, repeat=repeat))
+               params: dict, source: str, repeat: int, names: Any = None) -> int:
+        stack = getattr(names, "stack", ())
+        self.ops.append(dict(
+            primitive=primitive, inputs=tuple(inputs), outputs=tuple(outputs), params=params,
+            source=source, repeat=repeat,
+            scope="/".join(e.name for e in stack if type(e).__name__ == "Scope"),
+            backward=any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)))
         return len(self.ops) - 1
 
     # -- the walk ------------------------------------------------------------------------------
     def walk(self, jaxpr: Any, consts: Sequence[int], args: Sequence[int], repeat: int,
-             execute: bool) -> list[int]:
-        """Add jaxpr's equations; returns the tensor ids of its outputs."""
+             execute: bool, names: Any = None) -> list[int]:
+        """Add jaxpr's equations; returns the tensor ids of its outputs.
+
+        `names` is the name stack of the enclosing call: an inlined equation's own name stack
+        is relative to it.
+        """
         env: dict[Any, int] = {}
         for var, tid in zip(jaxpr.constvars, consts):
             env[var] = tid
@@ -103,14 +111,17 @@ class _Builder:
             inputs = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
             source = source_info_util.summarize(eqn.source_info)
+            eqn_names = eqn.source_info.name_stack
+            if names is not None:
+                eqn_names = names + eqn_names
             if name in CALL_PRIMITIVES and CALL_PRIMITIVES[name] in eqn.params:
                 inner = eqn.params[CALL_PRIMITIVES[name]]
                 inner_jaxpr, inner_consts = _open(inner)
                 const_ids = [self.constant(c, getattr(c, "aval", None) or jax.typeof(c))
                              for c in inner_consts]
-                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, execute)
+                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, execute, eqn_names)
             elif name == "scan":
-                outs = self.scan(eqn, inputs, source, repeat, execute)
+                outs = self.scan(eqn, inputs, source, repeat, execute, eqn_names)
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
                 const = all(self.is_const(t) for t in inputs) and not eqn.effects
@@ -118,7 +129,8 @@ class _Builder:
                     self._mark_const(outs)
                     requires: tuple = (None,) * len(inputs)
                 else:
-                    op = self.add_op(name, inputs, outs, dict(eqn.params), source, repeat)
+                    op = self.add_op(name, inputs, outs, dict(eqn.params), source, repeat,
+                                     eqn_names)
                     requires = tuple(None if self.is_const(t) else (op, i)
                                      for i, t in enumerate(inputs))
                 if execute:
@@ -133,7 +145,7 @@ class _Builder:
             self.tensors[t] = Tensor(old.id, old.shape, old.dtype, old.path, True)
 
     def scan(self, eqn: Any, inputs: list[int], source: str, repeat: int,
-             execute: bool) -> list[int]:
+             execute: bool, names: Any) -> list[int]:
         """Plan a scan's body once (costs x length); execute the scan whole."""
         p = eqn.params
         body, body_consts = _open(p["jaxpr"])
@@ -162,7 +174,7 @@ class _Builder:
                 op = self.add_op("scan_slice", (x,), (tid,), {"reverse": p["reverse"]}, source, repeat)
                 requires[n_const + n_carry + i] = (op, 0)
         body_outs = self.walk(body, body_const_ids, [*consts, *carry_in, *x_in],
-                              repeat * length, execute=False)
+                              repeat * length, execute=False, names=names)
         for op, out in zip(carry_ops, body_outs[:n_carry]):
             self.ops[op]["inputs"] = self.ops[op]["inputs"] + (out,)
         for k, (body_out, out) in enumerate(zip(body_outs, outs)):

@@ -21,6 +21,7 @@ from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
 from .bounded import solve_bounded
 from .brute_force import solve_brute_force
+from .width import largest_table
 from .dynamic_programming import solve_dynamic_programming
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "CostGraph",
     "CostGraphBuilder",
     "InfeasibleError",
+    "largest_table",
     "SearchTooLargeError",
     "Solution",
     "register_backend",

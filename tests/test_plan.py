@@ -115,3 +115,14 @@ def test_unsupported_primitive_warns_and_runs_replicated():
         new_w, loss = sharded(jnp.array(w), x)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(new_w), np.asarray(ref_w), rtol=1e-5)
+
+
+def test_search_stats_are_honest_about_exactness():
+    step, state, batch = models.gpt_setup()
+    for mesh in ({"data": 8}, {"data": 2, "model": 4}):
+        stats = autopar.plan(step, abstract(state), abstract(batch), mesh=mesh).search_stats
+        assert stats["space"] in ("full", "backward tied to forward")
+        if not stats["exact"]:
+            # a plan that is not proven optimal carries a lower bound below its cost
+            assert 0 < stats["lower_bound"] <= stats["objective_s"]
+            assert stats["gap"] == pytest.approx(1 - stats["lower_bound"] / stats["objective_s"])

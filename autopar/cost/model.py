@@ -6,10 +6,10 @@ reduce-scatter a + b(n-1)/n B (B the gathered size), all-to-all a + b(n-1)/(2n) 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
-import numpy as np
 
 from autopar.cost.hardware import Hardware
 from autopar.ir import Op, Tensor
@@ -70,29 +70,33 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
     return compute * op.repeat, comm * op.repeat
 
 
-def reshard_time(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> float:
-    """Seconds to turn `tensor` sharded as `src` into `dst`.
+@functools.lru_cache(maxsize=1 << 20)
+def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
+    """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`.
 
     Axes that move to another dimension cost an all-to-all, axes dropped an all-gather; axes
-    added are free (each device keeps its slice).
+    added are free (each device keeps its slice). The time is linear in the tensor's size:
+    collectives * latency + fraction * bytes / bandwidth, so these terms serve every tensor.
     """
     if src == dst:
-        return 0.0
+        return 0, 0.0
     where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
     where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
-    size = shard_bytes(tensor, src, mesh)
+    share = 1.0 / group_size(mesh, list(where_src))  # fraction of the tensor on one device
     moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
     dropped = [a for a in where_src if a not in where_dst]
-    cost = 0.0
+    count, fraction = 0, 0.0
     if moved:
-        cost += all_to_all(size, group_size(mesh, moved), hw)
+        n = group_size(mesh, moved)
+        count, fraction = 1, (n - 1) / (2 * n) * share
     for a in dropped:
-        size *= mesh.axis_size(a)
-        cost += all_gather(size, mesh.axis_size(a), hw)
-    return cost
+        n = mesh.axis_size(a)
+        share *= n
+        count, fraction = count + 1, fraction + (n - 1) / n * share
+    return count, fraction
 
 
-def reshard_matrix(tensor: Tensor, srcs: Sequence[Spec], dsts: Sequence[Spec], mesh: MeshShape,
-                   hw: Hardware) -> np.ndarray:
-    return np.array([[reshard_time(tensor, s, d, mesh, hw) for d in dsts] for s in srcs],
-                    dtype=np.float64).reshape(len(srcs), len(dsts))
+def reshard_time(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> float:
+    """Seconds to turn `tensor` sharded as `src` into `dst` (see reshard_terms)."""
+    count, fraction = reshard_terms(src, dst, mesh)
+    return count * hw.link_latency + fraction * tensor.nbytes / hw.link_bandwidth

@@ -8,6 +8,7 @@ operator needs, follow from that. One rule per primitive covers every strategy.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ class Rule:
     operands: tuple[Dims, ...]
     results: tuple[Dims, ...]
     sizes: dict[str, int] = field(hash=False)
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Equal for rules of equal structure (factor names are assigned in a fixed order)."""
+        return self.operands, self.results, tuple(sorted(self.sizes.items()))
 
     @property
     def reduction_factors(self) -> frozenset[str]:
