@@ -12,7 +12,7 @@ from autopar.cost.hardware import Hardware, get_profile
 from autopar.errors import AutoparError, collect_errors
 from autopar.ir import OpGraph
 from autopar.lower import jit_step
-from autopar.mesh import MeshShape, mesh_shape
+from autopar.mesh import MeshShape, make_mesh, mesh_shape
 from autopar.plan import Plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
 from autopar.rules.factors import Strategy, to_partition_spec
@@ -23,11 +23,23 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          hardware: str | Hardware | None = None) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
-    `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh or a
-    dict of axis sizes, so plans can be made for devices you do not have.
+    `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
+    dict of axis sizes (plans for devices you do not have), a device count, or "auto" (all of
+    jax.devices()): for a count, every mesh shape is tried and the cheapest plan kept.
     """
     _check_backend(search)
-    return plan_step(fn, args, mesh_shape(mesh), get_profile(hardware), search)[2]
+    return plan_step(fn, args, _mesh_or_count(mesh), get_profile(hardware), search)[2]
+
+
+def _mesh_or_count(mesh: Any) -> MeshShape | int:
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise AutoparError(f"mesh={mesh!r} is not understood. Fix: pass a Mesh, a dict of "
+                               "axis sizes, a device count or 'auto'.")
+        return len(jax.devices())
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        return mesh
+    return mesh_shape(mesh)
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -36,14 +48,17 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
 
     The first call with given input shapes traces the step, searches a plan with `search`
     (or applies `plan`, with no search) and compiles it; later calls reuse the executable.
+    `mesh` may also be a device count or "auto" (all devices): the mesh shape is then chosen
+    with the plan, as the cheapest of every arrangement of those devices.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
                                  plan=plan)
-    if not isinstance(mesh, Mesh):
-        raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, got {mesh!r}. Fix: "
-                           "autopar.make_mesh({'data': 2, 'model': 4}); to plan for devices you "
-                           "do not have, use autopar.plan(fn, *args, mesh={...}).")
+    if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
+        raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
+                           f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
+                           "4}); to plan for devices you do not have, use autopar.plan(fn, "
+                           "*args, mesh={...}).")
     _check_backend(search)
     return AutoParallel(fn, mesh, search, get_profile(hardware), plan)
 
@@ -56,11 +71,13 @@ def _check_backend(search: str) -> None:
 class AutoParallel:
     """A step function with its plans and executables, one per input signature."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, search: str, hw: Hardware,
+    def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
                  saved: Plan | None) -> None:
-        self.fn, self.mesh, self.search, self.hw, self.saved = fn, mesh, search, hw, saved
-        self.shape = mesh_shape(mesh)
-        self._cache: dict[Any, tuple[OpGraph, Decisions, Plan, Any]] = {}
+        self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
+        self.requested = mesh if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
+        if saved is not None and not isinstance(mesh, Mesh):
+            self.requested = mesh_shape(dict(saved.mesh))
+        self._cache: dict[Any, tuple[OpGraph, Decisions, Plan, Any, Mesh]] = {}
         functools.update_wrapper(self, fn)
 
     def _signature(self, args: tuple) -> Any:
@@ -68,25 +85,33 @@ class AutoParallel:
         return tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
                            for x in leaves)
 
-    def _compiled(self, args: tuple) -> tuple[OpGraph, Decisions, Plan, Any]:
+    def _compiled(self, args: tuple) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
         key = self._signature(args)
         if key not in self._cache:
+            requested = self.requested
+            shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
             if self.saved is None:
-                graph, decisions, p = plan_step(self.fn, args, self.shape, self.hw, self.search)
+                graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search)
             else:
                 graph, in_tree, out_shape = trace(self.fn, args)
-                decisions = decisions_from_plan(graph, self.saved, self.shape)
-                p = assemble(graph, decisions, self.shape, self.hw, self.saved.backend,
+                decisions = decisions_from_plan(graph, self.saved, shape)
+                p = assemble(graph, decisions, shape, self.hw, self.saved.backend,
                              dict(self.saved.search_stats), in_tree,
                              jax.tree_util.tree_structure(out_shape))
+            mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
             out_specs = [t.spec for t in p.outputs]
-            self._cache[key] = (graph, decisions, p, jit_step(graph, decisions, self.mesh, out_specs))
+            self._cache[key] = (graph, decisions, p, jit_step(graph, decisions, mesh, out_specs),
+                                mesh)
         return self._cache[key]
 
+    def mesh(self, *args: Any) -> Mesh:
+        """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
+        return self._compiled(args)[4]
+
     def __call__(self, *args: Any) -> Any:
-        graph, decisions, p, jitted = self._compiled(args)
+        graph, decisions, p, jitted, mesh = self._compiled(args)
         flat = jax.tree_util.tree_leaves(args)
-        placed = [_place(x, NamedSharding(self.mesh, to_partition_spec(s)))
+        placed = [_place(x, NamedSharding(mesh, to_partition_spec(s)))
                   for x, s in zip(flat, decisions.inputs)]
         outs = jitted(*placed)
         return jax.tree_util.tree_unflatten(p.out_tree, outs)
@@ -97,7 +122,7 @@ class AutoParallel:
 
     def lower(self, *args: Any) -> Any:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
-        _, decisions, _, jitted = self._compiled(args)
+        jitted = self._compiled(args)[3]
         flat = jax.tree_util.tree_leaves(args)
         return jitted.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
                               for x in flat])

@@ -16,10 +16,11 @@ from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, TensorPlan
 from autopar.problem import Problem, build_problem
+from autopar.recursive import solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
 
-BACKENDS = ("dynamic_programming",)
+BACKENDS = ("dynamic_programming", "recursive_programming")
 EXACT_TABLE_LIMIT = 2e7  # entries of the largest table exact elimination may build
 BOUNDED_TABLE_LIMIT = 1e6  # table size of mini-bucket elimination (larger is slower, not better)
 
@@ -45,12 +46,17 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     if backend not in BACKENDS:
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
-    problem = build_problem(graph, mesh, hw, pinned)
-    if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
-        solution, space = search.solve(problem.graph, backend,
-                                       max_factor_size=EXACT_TABLE_LIMIT), "full"
+    extra: dict[str, Any] = {}
+    if backend == "recursive_programming":
+        problem, solution, rounds = solve_recursive(graph, mesh, hw, pinned)
+        space, extra = "one axis at a time", {"rounds": rounds}
     else:
-        problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem)
+        problem = build_problem(graph, mesh, hw, pinned)
+        if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
+            solution, space = search.solve(problem.graph, backend,
+                                           max_factor_size=EXACT_TABLE_LIMIT), "full"
+        else:
+            problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem)
     t1 = time.perf_counter()
     strategies = problem.decode(solution.choice)
     by_tensor = {}
@@ -62,7 +68,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
             ops[unit.op.id] = st
     inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
-    stats.update(space=space, search_s=t1 - t0,
+    stats.update(extra, space=space, search_s=t1 - t0,
                  objective_s=float(solution.cost), ops=len(graph.ops))
     return Decisions(inputs, ops), stats
 
@@ -166,17 +172,43 @@ def peak_memory(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape) -> int:
     return int(peak)
 
 
-def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: Hardware,
+def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
               backend: str, pinned: dict[str, Spec] | None = None
               ) -> tuple[OpGraph, Decisions, Plan]:
-    """Trace, search and assemble: the whole planning pipeline for one call signature."""
+    """Trace, search and assemble: the whole planning pipeline for one call signature.
+
+    `mesh` given as a device count tries every mesh shape of that many devices
+    (`candidate_meshes`) and keeps the plan of least estimated cost.
+    """
     t0 = time.perf_counter()
     graph, in_tree, out_shape = trace(fn, args)
     t1 = time.perf_counter()
-    decisions, stats = solve(graph, mesh, hw, backend, pinned)
-    stats["trace_s"] = t1 - t0
     out_tree = jax.tree_util.tree_structure(out_shape)
-    return graph, decisions, assemble(graph, decisions, mesh, hw, backend, stats, in_tree, out_tree)
+    best = None
+    for shape in candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]:
+        decisions, stats = solve(graph, shape, hw, backend, pinned)
+        stats["trace_s"] = t1 - t0
+        plan = assemble(graph, decisions, shape, hw, backend, stats, in_tree, out_tree)
+        if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
+            best = (decisions, plan)
+    assert best is not None
+    return graph, best[0], best[1]
+
+
+AUTO_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "inner")}
+
+
+def candidate_meshes(devices: int) -> list[MeshShape]:
+    """Every way to arrange `devices` as a mesh of one to three axes of size > 1."""
+    if devices < 1:
+        raise AutoparError(f"a mesh needs at least one device, got {devices}.")
+    shapes: list[tuple[int, ...]] = [(devices,)]
+    for a in range(2, devices):
+        if devices % a == 0:
+            shapes.append((a, devices // a))
+            rest = devices // a
+            shapes += [(a, b, rest // b) for b in range(2, rest) if rest % b == 0]
+    return [MeshShape(AUTO_AXIS_NAMES[len(s)], s) for s in shapes]
 
 
 def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> dict[str, Spec]:

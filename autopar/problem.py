@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,20 @@ class Unit:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     op: Op | None  # None for an input of the step
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Decisions of earlier rounds: for each unit, the factor each of `axes` went to."""
+
+    axes: frozenset[str]
+    assignments: dict[int, dict[str, tuple[str, ...]]] = field(hash=False)
+
+    def filter(self, options: list[Strategy], before: dict[str, tuple[str, ...]]) -> list[Strategy]:
+        def placed(assignment) -> set[tuple[str, str]]:
+            return {(f, a) for f, axes in assignment for a in axes if a in self.axes}
+        want = placed(before.items())
+        return [s for s in options if placed(s.assignment) == want]
 
 
 @dataclass
@@ -100,12 +114,15 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                  pinned: dict[str, Spec] | None = None, tie_backward: bool = False) -> Problem:
+                  pinned: dict[str, Spec] | None = None, tie_backward: bool = False,
+                  extend: "Extension | None" = None) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
     `tie_backward` gives backward dot/conv operators their forward operator's strategy (a
     smaller space, of smaller elimination width).
+    `extend` keeps only the strategies that agree with earlier decisions on the axes they were
+    made for: a round of the device recursion adds one axis to the rounds before.
     """
     units = make_units(graph)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
@@ -131,7 +148,10 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         if source is None or source[0] >= u:
             node_of.append(len(roots))
             roots.append(u)
-            choices.append(enumerate_strategies(unit.rule, mesh))
+            options = enumerate_strategies(unit.rule, mesh)
+            if extend is not None and u in extend.assignments:
+                options = extend.filter(options, extend.assignments[u]) or options[:1]
+            choices.append(options)
             continue
         src_unit, k = source
         node_of.append(node_of[src_unit])

@@ -19,10 +19,12 @@ from .costgraph import (
 # Imported for their side effect of registering a backend.
 from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
+from . import recursive_programming as recursive_programming  # noqa: E402
 from .bounded import solve_bounded
 from .brute_force import solve_brute_force
 from .width import largest_table
 from .dynamic_programming import solve_dynamic_programming
+from .recursive_programming import solve_recursive_programming
 
 __all__ = [
     "BACKENDS",
@@ -37,4 +39,5 @@ __all__ = [
     "solve_bounded",
     "solve_brute_force",
     "solve_dynamic_programming",
+    "solve_recursive_programming",
 ]

@@ -1,0 +1,95 @@
+"""recursive_programming, any device count, mesh='auto', planning for devices we do not have."""
+import math
+
+import jax
+import models
+import numpy as np
+import pytest
+
+import autopar
+import search
+from helpers import check_against_single_device
+
+
+def abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def assert_divisible(plan):
+    """No dimension of any operand or result is split by axes whose sizes do not divide it."""
+    sizes = dict(plan.mesh)
+    for op in plan.ops:
+        for shapes, specs in ((op.in_shapes, op.in_specs), (op.out_shapes, op.out_specs)):
+            for shape, spec in zip(shapes, specs):
+                for dim, axes in zip(shape, spec):
+                    assert dim % math.prod(sizes[a] for a in axes) == 0, (op, shape, spec)
+    for t in (*plan.inputs, *plan.outputs):
+        for dim, axes in zip(t.shape, t.spec):
+            assert dim % math.prod(sizes[a] for a in axes) == 0, t
+
+
+@pytest.mark.parametrize("mesh", [{"data": 6}, {"data": 2, "model": 3}, {"data": 2, "model": 4}])
+def test_recursive_programming_matches_single_device(mesh):
+    step, state, batch = models.gpt_setup(batch=12)
+    plan = check_against_single_device(step, state, batch, autopar.make_mesh(mesh),
+                                       search="recursive_programming")
+    assert plan.backend == "recursive_programming"
+    assert plan.search_stats["rounds"] == len([s for s in mesh.values() if s > 1])
+    assert_divisible(plan)
+    assert any(t.spec[0] for t in plan.inputs if t.path.startswith("batch/")), \
+        "a batch of 12 is split over the devices"
+
+
+def test_dynamic_programming_on_six_devices():
+    step, state, batch = models.gpt_setup(batch=12)
+    plan = check_against_single_device(step, state, batch, autopar.make_mesh({"data": 2, "model": 3}))
+    assert_divisible(plan)
+
+
+@pytest.mark.parametrize("backend", ["recursive_programming", "dynamic_programming"])
+def test_indivisible_dimensions_never_split(backend):
+    step, state, batch = models.gpt_setup(batch=10, seq=12)  # 10 and 12 are not multiples of 8
+    plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"x": 3, "y": 4},
+                        search=backend)
+    assert_divisible(plan)
+
+
+def test_plan_for_1024_devices_on_a_laptop():
+    step, state, batch = models.gpt_setup(batch=64, seq=16, d_model=64, heads=4)
+    plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 64, "model": 16},
+                        search="recursive_programming")
+    assert len(plan.inputs) == len(jax.tree_util.tree_leaves((state, batch)))
+    assert all(p in plan.specs for p in (t.path for t in plan.inputs))
+    assert plan.cost["total_s"] > 0
+    assert_divisible(plan)
+
+
+def test_auto_mesh_keeps_the_cheapest_shape():
+    step, state, batch = models.mlp_setup()
+    best = autopar.plan(step, abstract(state), abstract(batch), mesh=8,
+                        search="recursive_programming")
+    costs = {shape: autopar.plan(step, abstract(state), abstract(batch), mesh=dict(zip(
+        names, shape)), search="recursive_programming").cost["total_s"]
+        for names, shape in ((("data",), (8,)), (("data", "model"), (2, 4)),
+                             (("data", "model"), (4, 2)), (("data", "model", "inner"), (2, 2, 2)))}
+    assert best.cost["total_s"] == pytest.approx(min(costs.values()))
+    assert tuple(s for _, s in best.mesh) in costs
+
+
+def test_auto_parallel_with_auto_mesh_runs_correctly():
+    step, state, batch = models.mlp_setup()
+    plan = check_against_single_device(step, state, batch, "auto")
+    assert math.prod(s for _, s in plan.mesh) == len(jax.devices())
+
+
+def test_greedy_backend_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n = int(rng.integers(2, 7))
+        costs = tuple(rng.random(int(rng.integers(1, 4))) for _ in range(n))
+        edges = tuple((u, v, rng.random((len(costs[u]), len(costs[v]))))
+                      for u in range(n) for v in range(u + 1, n) if rng.random() < 0.6)
+        g = search.CostGraph(costs, edges)
+        greedy = search.solve(g, "recursive_programming")
+        assert greedy.cost >= search.solve(g, "brute_force").cost - 1e-12
+        assert greedy.cost == pytest.approx(g.total_cost(greedy.choice))
