@@ -21,7 +21,7 @@ from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
                            replicated_rule, rule_for, strategy)
-from autopar.ties import backward_ties
+from autopar.ties import backward_ties, repeated_ties
 
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).
@@ -115,7 +115,7 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[str, Spec] | None = None, tie_backward: bool = False,
-                  extend: "Extension | None" = None) -> Problem:
+                  extend: "Extension | None" = None, tie_layers: bool = True) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
@@ -123,12 +123,14 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     smaller space, of smaller elimination width).
     `extend` keeps only the strategies that agree with earlier decisions on the axes they were
     made for: a round of the device recursion adds one axis to the rounds before.
+    `tie_layers` gives every instance of a repeated layer the strategies of the first one.
     """
     units = make_units(graph)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     unit_of_op = {unit.op.id: u for u, unit in enumerate(units) if unit.op is not None}
     ties = backward_ties(graph, {op_id: units[u].rule for op_id, u in unit_of_op.items()}
                          ) if tie_backward else {}
+    same_layer = repeated_ties(graph, units) if tie_layers else {}
     node_of: list[int] = []
     choices: list[list[Strategy]] = []
     roots: list[int] = []
@@ -145,6 +147,11 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
             continue
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
+        if (source is None or source[0] >= u) and u in same_layer:
+            leader = same_layer[u]
+            node_of.append(node_of[leader])
+            choices.append(choices[leader])
+            continue
         if source is None or source[0] >= u:
             node_of.append(len(roots))
             roots.append(u)

@@ -93,3 +93,20 @@ def test_greedy_backend_against_brute_force():
         greedy = search.solve(g, "recursive_programming")
         assert greedy.cost >= search.solve(g, "brute_force").cost - 1e-12
         assert greedy.cost == pytest.approx(g.total_cost(greedy.choice))
+
+
+@pytest.mark.parametrize("backend", ["recursive_programming", "dynamic_programming"])
+def test_repeated_layers_are_planned_once(backend):
+    nodes, plans = [], []
+    for layers in (2, 4):
+        step, state, batch = models.gpt_setup(layers=layers)
+        plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 2, "model": 4},
+                            search=backend)
+        nodes.append(plan.search_stats["nodes"])
+        plans.append(plan)
+    assert nodes[0] == nodes[1], "the search grows with distinct layers, not with depth"
+    deep = plans[1].specs
+    for i in range(1, 4):  # every block takes block 0's shardings
+        for path, spec in deep.items():
+            if "/block_0/" in path:
+                assert deep[path.replace("/block_0/", f"/block_{i}/")] == spec
