@@ -21,3 +21,6 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache plans
+
+bench: $(STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)

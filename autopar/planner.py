@@ -48,8 +48,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if backend == "recursive_programming":
-        problem, solution, rounds = solve_recursive(graph, mesh, hw, pinned)
-        space, extra = "one axis at a time", {"rounds": rounds}
+        problem, solution, extra = solve_recursive(graph, mesh, hw, pinned)
+        space = "one axis at a time"
     else:
         problem = build_problem(graph, mesh, hw, pinned)
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
@@ -68,7 +68,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
             ops[unit.op.id] = st
     inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
-    stats.update(extra, space=space, search_s=t1 - t0,
+    stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
                  objective_s=float(solution.cost), ops=len(graph.ops))
     return Decisions(inputs, ops), stats
 
@@ -80,22 +80,18 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
 
     A training step's forward and backward passes share activations and parameters, which makes
     its graph too wide for exact elimination on meshes of several axes (docs/decisions.md).
-    Bounded elimination of the full space gives a plan and a lower bound on the optimum; tying
-    each backward operator to its forward one gives a narrower space, solved exactly when it
-    fits. The cheaper plan wins; the bound of the full space says how far from optimal it can be.
+    Bounded elimination of the full space gives a plan and a lower bound on the optimum; the
+    axis-by-axis recursion gives a second plan. The cheaper wins, and the bound says how far
+    from optimal it can be.
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
-    tied = build_problem(graph, mesh, hw, pinned, tie_backward=True)
-    if search.largest_table(tied.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
-        other = search.solve(tied.graph, "dynamic_programming", max_factor_size=EXACT_TABLE_LIMIT)
-    else:
-        other = search.solve_bounded(tied.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
+    rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned)
+    candidates = [(full, bounded, "full"), (rounds_problem, rounds_answer, "one axis at a time")]
+    problem, best, space = min(candidates, key=lambda c: c[1].cost)
     bound = bounded.stats["lower_bound"]
-    problem, best, space = (full, bounded, "full") if bounded.cost <= other.cost else \
-        (tied, other, "backward tied to forward")
     gap = 0.0 if best.cost <= bound else (best.cost - bound) / best.cost
     stats = {**best.stats, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
-             "full_space_bounded_s": bounded.cost, "tied_space_s": other.cost}
+             "bounded_elimination_s": bounded.cost, "one_axis_at_a_time_s": rounds_answer.cost}
     return problem, search.Solution(best.choice, best.cost, stats), space
 
 

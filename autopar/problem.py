@@ -20,8 +20,8 @@ from autopar.cost.model import op_time, reshard_terms
 from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
-                           replicated_rule, rule_for, strategy)
-from autopar.ties import backward_ties, repeated_ties
+                           replicated_rule, rule_for)
+from autopar.layers import repeated_ties
 
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).
@@ -114,22 +114,17 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                  pinned: dict[str, Spec] | None = None, tie_backward: bool = False,
-                  extend: "Extension | None" = None, tie_layers: bool = True) -> Problem:
+                  pinned: dict[str, Spec] | None = None, extend: "Extension | None" = None,
+                  tie_layers: bool = True) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
-    `tie_backward` gives backward dot/conv operators their forward operator's strategy (a
-    smaller space, of smaller elimination width).
     `extend` keeps only the strategies that agree with earlier decisions on the axes they were
     made for: a round of the device recursion adds one axis to the rounds before.
     `tie_layers` gives every instance of a repeated layer the strategies of the first one.
     """
     units = make_units(graph)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
-    unit_of_op = {unit.op.id: u for u, unit in enumerate(units) if unit.op is not None}
-    ties = backward_ties(graph, {op_id: units[u].rule for op_id, u in unit_of_op.items()}
-                         ) if tie_backward else {}
     same_layer = repeated_ties(graph, units) if tie_layers else {}
     node_of: list[int] = []
     choices: list[list[Strategy]] = []
@@ -137,14 +132,6 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     reshard = _Resharding(mesh, hw)
     followed: dict[tuple, Strategy] = {}  # operators of equal rules follow alike
     for u, unit in enumerate(units):
-        if unit.op is not None and unit.op.id in ties:
-            forward, mapping = ties[unit.op.id]
-            f_unit = unit_of_op[forward]
-            node_of.append(node_of[f_unit])
-            choices.append([strategy(unit.rule, mesh, {b: dict(s.assignment).get(f, ())
-                                                       for b, f in mapping.items()})
-                            for s in choices[f_unit]])
-            continue
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
         if (source is None or source[0] >= u) and u in same_layer:
@@ -260,7 +247,7 @@ def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, .
                  tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
     out = np.empty(len(strategies))
     for j, s in enumerate(strategies):
-        key = (signature, s.in_specs, s.out_specs, s.partial_axes)
+        key = (signature, id(s))  # strategies are shared objects, alive for the whole build
         if key not in memo:
             compute, comm = op_time(op, s, tensors, mesh, hw)
             memo[key] = compute + comm

@@ -4,8 +4,11 @@ Each round adds one axis (largest first) to the mesh planned so far and lets eve
 operator choose only which factor that axis splits, keeping what earlier rounds chose. A round's
 problem therefore has a handful of strategies per node whatever the device count, and the graph
 half (`search.recursive_programming`: heaviest operator first, then coordinate descent) solves
-it in time linear in the graph. Any mesh shape works: axes of any size, indivisible dimensions
-are never offered to an axis that does not divide them.
+it in time linear in the graph. Where a round's problem is narrow enough for exact elimination
+with small tables (it usually is: a handful of strategies per node), the round is solved
+exactly instead. The rounds together are not the optimum of the whole mesh: what an early
+round decided stays. Any mesh shape works: axes of any size, indivisible dimensions are never offered to an
+axis that does not divide them.
 """
 from __future__ import annotations
 
@@ -23,15 +26,27 @@ def axis_order(mesh: MeshShape) -> list[str]:
                   key=lambda n: (-mesh.axis_size(n), mesh.names.index(n)))
 
 
+ROUND_TABLE_LIMIT = 1e6  # a round is solved exactly when its tables stay this small
+
+
+def solve_round(problem: Problem) -> tuple[search.Solution, bool]:
+    """The exact answer where that is cheap, else the greedy one; and whether it was exact."""
+    if search.largest_table(problem.graph, ROUND_TABLE_LIMIT) > ROUND_TABLE_LIMIT:
+        return search.solve(problem.graph, "recursive_programming"), False
+    return search.solve(problem.graph, "dynamic_programming",
+                        max_factor_size=ROUND_TABLE_LIMIT), True
+
+
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                    pinned: dict[str, Spec] | None) -> tuple[Problem, search.Solution, int]:
-    """Plan `graph` axis by axis; returns the last round's problem and solution, and the rounds."""
+                    pinned: dict[str, Spec] | None) -> tuple[Problem, search.Solution, dict]:
+    """Plan `graph` axis by axis; returns the last round's problem and solution, and stats."""
     order = axis_order(mesh)
     if not order:  # a mesh of one device: one round decides everything (all replicated)
         order = list(mesh.names[:1])
     done: list[str] = []
     extension: Extension | None = None
     problem = solution = None
+    exact_rounds = 0
     for axis in order:
         done.append(axis)
         names = tuple(n for n in mesh.names if n in done)
@@ -40,8 +55,10 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
             path: tuple(tuple(a for a in axes if a in names) for axes in spec)
             for path, spec in pinned.items()}
         problem = build_problem(graph, sub, hw, sub_pins, extend=extension)
-        solution = search.solve(problem.graph, "recursive_programming")
+        solution, exact = solve_round(problem)
+        exact_rounds += exact
         strategies = problem.decode(solution.choice)
         extension = Extension(frozenset(done), {
             u: dict(strategies[u].assignment) for u in range(len(problem.units))})
-    return problem, solution, len(order)
+    return problem, solution, {"rounds": len(order), "exact_rounds": exact_rounds,
+                               "exact": False}

@@ -173,3 +173,13 @@ def cnn_setup(batch: int = 16, size: int = 8, seed: int = 0, learning_rate: floa
     params = model.init(k3, x)
     tx = optax.adamw(learning_rate)
     return linen_step(model, token_loss, tx), (params, tx.init(params)), {"inputs": x, "targets": y}
+
+
+def gpt_abstract(batch: int, seq: int, learning_rate: float = 1e-3, **config: Any):
+    """gpt_setup's (step, state, batch) as ShapeDtypeStructs: nothing allocated at full size."""
+    model = GPT(**config)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+    tx = optax.adamw(learning_rate)
+    state = (params, jax.eval_shape(tx.init, params))
+    return linen_step(model, token_loss, tx), state, {"inputs": tokens, "targets": tokens}

@@ -36,8 +36,8 @@ def test_recursive_programming_matches_single_device(mesh):
     assert plan.backend == "recursive_programming"
     assert plan.search_stats["rounds"] == len([s for s in mesh.values() if s > 1])
     assert_divisible(plan)
-    assert any(t.spec[0] for t in plan.inputs if t.path.startswith("batch/")), \
-        "a batch of 12 is split over the devices"
+    used = {a for op in plan.ops for spec in op.in_specs for axes in spec for a in axes}
+    assert used == set(mesh), "every mesh axis splits some operator"
 
 
 def test_dynamic_programming_on_six_devices():

@@ -81,20 +81,3 @@ def test_reshard_costs():
     assert reshard_time(t, row, rep, MESH, HW) == pytest.approx(all_gather(t.nbytes, 2, HW))
     assert reshard_time(t, row, col, MESH, HW) == pytest.approx(all_to_all(t.nbytes / 2, 2, HW))
 
-
-def test_backward_dots_map_onto_forward_factors():
-    from autopar.ties import factor_map
-    dn = lambda c, b=((), ()): {"dimension_numbers": (c, b)}  # noqa: E731
-    fwd = rule_for("dot_general", [(8, 16, 32), (32, 64)], [(8, 16, 64)], dn(((2,), (0,))))
-    # weight gradient x^T dy contracts batch and sequence: result (32, 64) like the kernel
-    dw = rule_for("dot_general", [(8, 16, 32), (8, 16, 64)], [(32, 64)], dn(((0, 1), (0, 1))))
-    m = factor_map(dw, (1, 2), fwd, (1, 3))
-    b, t, i = fwd.operands[0]
-    o = fwd.results[0][2]
-    assert [m[f] for f in dw.operands[0]] == [b, t, i]  # x is the very tensor: dims keep factors
-    assert [m[f] for f in dw.results[0]] == [i, o]
-    # input gradient dy W^T contracts the output features
-    dx = rule_for("dot_general", [(8, 16, 64), (32, 64)], [(8, 16, 32)], dn(((2,), (1,))))
-    m = factor_map(dx, (4, 3), fwd, (1, 3))
-    assert [m[f] for f in dx.results[0]] == [b, t, i]
-    assert m[dx.operands[1][1]] == o

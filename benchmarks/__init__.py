@@ -1,0 +1,1 @@
+"""autopar's benchmarks: `python -m benchmarks` (or `make bench`) writes benchmarks/results/."""

@@ -1,0 +1,65 @@
+"""`python -m benchmarks [--quick] [--depths 12 24 ...]`: run the suite, write the results.
+
+Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
+Timings are of this machine; compare them as ratios within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import jax  # noqa: E402
+
+from benchmarks import planning  # noqa: E402
+
+
+def machine() -> dict[str, str]:
+    return {"python": platform.python_version(), "jax": jax.__version__,
+            "platform": platform.platform(), "processor": platform.machine(),
+            "cpus": str(os.cpu_count()), "devices": f"{len(jax.devices())} x "
+            f"{jax.devices()[0].device_kind}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small depths, for a smoke run")
+    parser.add_argument("--depths", type=int, nargs="+", default=[12, 24, 48, 96])
+    parser.add_argument("--devices", type=int, nargs="+", default=[8, 64, 1024])
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--dp-max-layers", type=int, default=96,
+                        help="skip dynamic_programming above this depth")
+    parser.add_argument("--hardware", default="h100", help="profile the plans are costed on")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.depths, args.d_model, args.seq, args.batch = [2, 4], 128, 32, 64
+    print(f"planning benchmark: depths {args.depths}, devices {args.devices}, "
+          f"d_model {args.d_model}, hardware {args.hardware}", flush=True)
+    result = planning.run(args.depths, args.devices, args.d_model, args.seq, args.batch,
+                          args.dp_max_layers, args.hardware, log=lambda s: print(s, flush=True))
+    result["machine"] = machine()
+    result["arguments"] = vars(args)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{stamp}-planning")
+    table = planning.markdown(result)
+    header = "# Planning benchmark\n\n" + "\n".join(f"- {k}: {v}" for k, v in result["machine"].items())
+    with open(base + ".md", "w") as f:
+        f.write(header + "\n\n" + table + "\n")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(table)
+    print(f"\nwritten: {base}.md, {base}.json")
+
+
+if __name__ == "__main__":
+    main()

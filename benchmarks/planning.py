@@ -1,0 +1,108 @@
+"""Planning at scale: search time, overhead and plan quality of both backends.
+
+GPT train steps of growing depth are planned on abstract meshes of 8, 64 and 1,024 devices of a
+hardware profile (default: h100; no device is needed, nothing is allocated at full size). For each case: trace, problem-and-search
+and total time, the plan's estimated step time, and recursive_programming's cost over
+dynamic_programming's. Then, on the example's step and this machine's devices, autopar's own
+overhead (trace, search, lowering) against the time jax.jit takes to compile the same step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+
+import autopar
+import models
+
+MESHES = {8: {"data": 2, "model": 4}, 64: {"data": 8, "model": 8}, 1024: {"data": 64, "model": 16}}
+
+
+def plan_case(layers: int, devices: int, backend: str, d_model: int, seq: int,
+              batch: int, hardware: str = "h100") -> dict[str, Any]:
+    step, state, data = models.gpt_abstract(batch=batch, seq=seq, vocab=4096, d_model=d_model,
+                                            heads=d_model // 64, layers=layers)
+    t0 = time.perf_counter()
+    plan = autopar.plan(step, state, data, mesh=MESHES[devices], search=backend,
+                        hardware=hardware)
+    total = time.perf_counter() - t0
+    stats = plan.search_stats
+    return {"layers": layers, "devices": devices, "backend": backend, "ops": stats["ops"],
+            "nodes": stats["nodes"], "trace_s": stats["trace_s"], "search_s": stats["search_s"],
+            "total_s": total, "plan_step_ms": plan.cost["total_s"] * 1e3,
+            "exact": stats.get("exact"), "gap": stats.get("gap")}
+
+
+def overhead_case(backend: str) -> dict[str, Any]:
+    """autopar's time to plan and lower the example's step vs jax.jit's compile of it.
+
+    Both are warmed up on another step first, so neither pays JAX's one-time start-up costs.
+    """
+    n = len(jax.devices())
+    mesh = autopar.make_mesh({"data": 2, "model": n // 2} if n >= 4 else {"data": n})
+    warm_step, warm_state, warm_batch = models.mlp_setup()
+    jax.jit(warm_step).lower(warm_state, warm_batch).compile()
+    autopar.auto_parallel(warm_step, mesh=mesh, search=backend).lower(warm_state, warm_batch)
+    step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
+                                          layers=2)
+    t0 = time.perf_counter()
+    lowered = autopar.auto_parallel(step, mesh=mesh, search=backend).lower(state, batch)
+    ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lowered.compile()
+    sharded_compile = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jax.jit(step).lower(state, batch).compile()
+    plain = time.perf_counter() - t0
+    return {"backend": backend, "autopar_overhead_s": ours, "jit_compile_s": plain,
+            "sharded_compile_s": sharded_compile, "overhead_over_compile": ours / plain}
+
+
+def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: int,
+        dp_max_layers: int, hardware: str = "h100", log: Any = print) -> dict[str, Any]:
+    rows = []
+    for layers in depths:
+        for n in devices:
+            for backend in ("recursive_programming", "dynamic_programming"):
+                if backend == "dynamic_programming" and layers > dp_max_layers:
+                    continue
+                row = plan_case(layers, n, backend, d_model, seq, batch, hardware)
+                log(f"  {layers:3d} layers, {n:5d} devices, {backend:22s} "
+                    f"search {row['search_s']:7.2f}s total {row['total_s']:7.2f}s "
+                    f"plan {row['plan_step_ms']:9.3f} ms")
+                rows.append(row)
+    overhead = [overhead_case(b) for b in ("dynamic_programming", "recursive_programming")]
+    return {"planning": rows, "overhead": overhead}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["planning"]
+    lines = ["## Planning at scale", "",
+             "| layers | devices | backend | ops | nodes | trace s | search s | total s | "
+             "plan ms/step | exact | RP/DP cost |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    dp = {(r["layers"], r["devices"]): r for r in rows if r["backend"] == "dynamic_programming"}
+    for r in rows:
+        ratio = ""
+        if r["backend"] == "recursive_programming" and (r["layers"], r["devices"]) in dp:
+            ratio = f"{r['plan_step_ms'] / dp[(r['layers'], r['devices'])]['plan_step_ms']:.3f}"
+        exact = {True: "yes", False: f"no (gap {r['gap']:.1%})" if r["gap"] is not None else "no",
+                 None: ""}[r["exact"]]
+        lines.append(f"| {r['layers']} | {r['devices']} | {r['backend']} | {r['ops']} | "
+                     f"{r['nodes']} | {r['trace_s']:.2f} | {r['search_s']:.2f} | "
+                     f"{r['total_s']:.2f} | {r['plan_step_ms']:.3f} | {exact} | {ratio} |")
+    rp = {(r["layers"], r["devices"]): r["search_s"] for r in rows
+          if r["backend"] == "recursive_programming"}
+    depths = sorted({k[0] for k in rp})
+    if len(depths) > 1:
+        lines += ["", f"recursive_programming search time, {depths[-1]} layers over {depths[0]}:"]
+        for n in sorted({k[1] for k in rp}):
+            if (depths[0], n) in rp and (depths[-1], n) in rp:
+                lines.append(f"- {n} devices: {rp[(depths[-1], n)] / rp[(depths[0], n)]:.2f}x")
+    lines += ["", "## Overhead on the example's step (this machine's devices)", "",
+              "| backend | autopar trace+search+lower s | jax.jit compile s (one device) | "
+              "sharded compile s | overhead / jit compile |", "|---|---|---|---|---|"]
+    for o in result["overhead"]:
+        lines.append(f"| {o['backend']} | {o['autopar_overhead_s']:.2f} | {o['jit_compile_s']:.2f} "
+                     f"| {o['sharded_compile_s']:.2f} | {o['overhead_over_compile']:.2f} |")
+    return "\n".join(lines)
