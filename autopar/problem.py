@@ -114,7 +114,7 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                  pinned: dict[str, Spec] | None = None, extend: "Extension | None" = None,
+                  pinned: dict[str, Spec] | None = None, extend: Extension | None = None,
                   tie_layers: bool = True) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
@@ -126,36 +126,8 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     units = make_units(graph)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     same_layer = repeated_ties(graph, units) if tie_layers else {}
-    node_of: list[int] = []
-    choices: list[list[Strategy]] = []
-    roots: list[int] = []
+    node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend)
     reshard = _Resharding(mesh, hw)
-    followed: dict[tuple, Strategy] = {}  # operators of equal rules follow alike
-    for u, unit in enumerate(units):
-        main = main_operand(unit, graph)
-        source = producer.get(unit.inputs[main]) if main is not None else None
-        if (source is None or source[0] >= u) and u in same_layer:
-            leader = same_layer[u]
-            node_of.append(node_of[leader])
-            choices.append(choices[leader])
-            continue
-        if source is None or source[0] >= u:
-            node_of.append(len(roots))
-            roots.append(u)
-            options = enumerate_strategies(unit.rule, mesh)
-            if extend is not None and u in extend.assignments:
-                options = extend.filter(options, extend.assignments[u]) or options[:1]
-            choices.append(options)
-            continue
-        src_unit, k = source
-        node_of.append(node_of[src_unit])
-        derived = []
-        for s in choices[src_unit]:
-            key = (unit.rule.key, main, s.out_specs[k])
-            if key not in followed:
-                followed[key] = follow(unit.rule, mesh, main, s.out_specs[k])
-            derived.append(followed[key])
-        choices.append(derived)
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
     op_costs: dict[tuple, float] = {}
@@ -201,6 +173,46 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
     return Problem(cost_graph, units, node_of, choices, producer)
+
+
+def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
+           mesh: MeshShape, same_layer: dict[int, int], extend: Extension | None
+           ) -> tuple[list[int], list[list[Strategy]], list[int]]:
+    """Nodes of the search: which node each unit belongs to, each unit's strategy for every
+    strategy of its node, and the unit that defines each node.
+
+    A unit that follows takes its producer's node and derives its strategy from the producer's
+    output spec; an instance of a repeated layer takes the first instance's node; any other unit
+    defines a node of its own with all its strategies (those extending `extend`, if given).
+    """
+    node_of: list[int] = []
+    choices: list[list[Strategy]] = []
+    roots: list[int] = []
+    followed: dict[tuple, Strategy] = {}  # operators of equal rules follow alike
+    for u, unit in enumerate(units):
+        main = main_operand(unit, graph)
+        source = producer.get(unit.inputs[main]) if main is not None else None
+        if source is not None and source[0] < u:
+            src_unit, k = source
+            node_of.append(node_of[src_unit])
+            derived = []
+            for s in choices[src_unit]:
+                key = (unit.rule.key, main, s.out_specs[k])
+                if key not in followed:
+                    followed[key] = follow(unit.rule, mesh, main, s.out_specs[k])
+                derived.append(followed[key])
+            choices.append(derived)
+        elif u in same_layer:
+            node_of.append(node_of[same_layer[u]])
+            choices.append(choices[same_layer[u]])
+        else:
+            node_of.append(len(roots))
+            roots.append(u)
+            options = enumerate_strategies(unit.rule, mesh)
+            if extend is not None and u in extend.assignments:
+                options = extend.filter(options, extend.assignments[u]) or options[:1]
+            choices.append(options)
+    return node_of, choices, roots
 
 
 def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:
