@@ -8,7 +8,6 @@ the bound is reported: the answer is either proven optimal (gap 0) or off by at 
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .costgraph import CostGraph, InfeasibleError, Solution
+from .width import EliminationOrder, neighbours
 
 Factor = tuple[tuple[int, ...], np.ndarray]
 
@@ -62,10 +62,6 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
             continue
         key, mat = ((u, v), m) if u < v else ((v, u), m.T)
         pair[key] = pair[key] + mat if key in pair else np.array(mat, dtype=np.float64)
-    nbrs: dict[int, set[int]] = {u: set() for u in range(n)}
-    for u, v in pair:
-        nbrs[u].add(v)
-        nbrs[v].add(u)
     self_cost = [np.array(c, dtype=np.float64) for c in graph.node_costs]
     for u, v, m in graph.edges:
         if u == v:
@@ -86,20 +82,12 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
     for (u, v), m in pair.items():
         add((u, v), m)
 
-    def key(x: int) -> tuple[float, int]:
-        return (min(math.prod(size[w] for w in nbrs[x]), 1e300), len(nbrs[x]))
-
-    current = {x: key(x) for x in range(n)}
-    heap = [(*k, x) for x, k in current.items()]
-    heapq.heapify(heap)
+    order = EliminationOrder(size, neighbours(graph))
     bound = 0.0
     records: list[tuple[int, list[Factor]]] = []
     splits = 0
-    while heap:
-        s, d, x = heapq.heappop(heap)
-        if current.get(x) != (s, d):
-            continue
-        del current[x]
+    while (item := order.pop()) is not None:
+        x = item[0]
         bucket = [factors.pop(f) for f in of_var.pop(x)]
         for fscope, _ in bucket:
             for w in fscope:
@@ -108,36 +96,24 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
         records.append((x, bucket))
         groups = _partition(x, bucket, size, max_factor_size)
         splits += len(groups) - 1
-        touched: set[int] = set()
+        scopes = []
         for members in groups:
             scope = tuple(sorted({w for f in members for w in f[0]} - {x}))
-            joint = _table((*scope, x), members, size)
-            best = joint.min(axis=-1)
+            best = _table((*scope, x), members, size).min(axis=-1)
             if scope:
                 add(scope, best)
             else:
                 bound += float(best)
-            for w in scope:
-                nbrs[w].discard(x)
-                nbrs[w].update(v for v in scope if v != w)
-            touched.update(scope)
-        for w in nbrs.pop(x):
-            nbrs[w].discard(x)
-            touched.add(w)
-        for w in touched:
-            if w in current:
-                current[w] = key(w)
-                heapq.heappush(heap, (*current[w], w))
+            scopes.append(set(scope))
+        order.eliminated(x, scopes)
 
     choice = np.zeros(n, dtype=np.int64)
-    assigned: set[int] = set()
     for x, bucket in reversed(records):
         costs = np.zeros(size[x])
         for fscope, table in bucket:
             index = tuple(slice(None) if w == x else choice[w] for w in fscope)
             costs = costs + table[index]
         choice[x] = int(np.argmin(costs))
-        assigned.add(x)
     if not bound < math.inf:
         raise InfeasibleError(f"every assignment of the {n} nodes has infinite cost")
 
