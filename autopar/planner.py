@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, TensorPlan
-from autopar.problem import Problem, build_problem
+from autopar.problem import Problem, build_problem, make_units
 from autopar.recursive import solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
@@ -47,11 +47,12 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
+    units = make_units(graph)
     if backend == "recursive_programming":
-        problem, solution, extra = solve_recursive(graph, mesh, hw, pinned)
+        problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units)
         space = "one axis at a time"
     else:
-        problem = build_problem(graph, mesh, hw, pinned)
+        problem = build_problem(graph, mesh, hw, pinned, units=units)
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
@@ -85,7 +86,7 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     from optimal it can be.
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
-    rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned)
+    rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned, full.units)
     candidates = [(full, bounded, "full"), (rounds_problem, rounds_answer, "one axis at a time")]
     problem, best, space = min(candidates, key=lambda c: c[1].cost)
     bound = bounded.stats["lower_bound"]

@@ -115,15 +115,16 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[str, Spec] | None = None, extend: Extension | None = None,
-                  tie_layers: bool = True) -> Problem:
+                  tie_layers: bool = True, units: list[Unit] | None = None) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
     `extend` keeps only the strategies that agree with earlier decisions on the axes they were
     made for: a round of the device recursion adds one axis to the rounds before.
     `tie_layers` gives every instance of a repeated layer the strategies of the first one.
+    `units` (from make_units) saves computing the rules again when one graph is planned twice.
     """
-    units = make_units(graph)
+    units = make_units(graph) if units is None else units
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     same_layer = repeated_ties(graph, units) if tie_layers else {}
     node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend)

@@ -16,7 +16,7 @@ import search
 from autopar.cost.hardware import Hardware
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
-from autopar.problem import Extension, Problem, build_problem
+from autopar.problem import Extension, Problem, Unit, build_problem, make_units
 from autopar.rules.factors import Spec
 
 
@@ -38,8 +38,10 @@ def solve_round(problem: Problem) -> tuple[search.Solution, bool]:
 
 
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                    pinned: dict[str, Spec] | None) -> tuple[Problem, search.Solution, dict]:
+                    pinned: dict[str, Spec] | None, units: list[Unit] | None = None
+                    ) -> tuple[Problem, search.Solution, dict]:
     """Plan `graph` axis by axis; returns the last round's problem and solution, and stats."""
+    units = make_units(graph) if units is None else units
     order = axis_order(mesh)
     if not order:  # a mesh of one device: one round decides everything (all replicated)
         order = list(mesh.names[:1])
@@ -54,7 +56,7 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         sub_pins = None if pinned is None else {
             path: tuple(tuple(a for a in axes if a in names) for axes in spec)
             for path, spec in pinned.items()}
-        problem = build_problem(graph, sub, hw, sub_pins, extend=extension)
+        problem = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
         solution, exact = solve_round(problem)
         exact_rounds += exact
         strategies = problem.decode(solution.choice)

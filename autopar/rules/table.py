@@ -53,9 +53,11 @@ class _Factors:
 def elementwise(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Operands of the result's shape share its factors; size-1 (broadcast) dims and scalars don't."""
     fs = _Factors()
-    result = fs.dims(outs[0])
-    operands = [tuple(f if len(s) == len(outs[0]) and d == outs[0][i] else None
-                      for i, (f, d) in enumerate(zip(result, s))) if s else () for s in ins]
+    shape = outs[0]
+    result = fs.dims(shape)
+    operands = [result if s == shape else
+                tuple(f if d == full else None for f, d, full in zip(result, s, shape))
+                if len(s) == len(shape) else () for s in ins]
     return fs.rule(operands, [result] * len(outs))
 
 
