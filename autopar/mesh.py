@@ -32,7 +32,7 @@ class MeshShape:
         return dict(zip(self.names, self.sizes))
 
     def as_dict(self) -> dict[str, int]:
-        return dict(zip(self.names, self.sizes))
+        return dict(self._size_of)
 
     def __str__(self) -> str:
         return "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(self.names, self.sizes)) + "}"

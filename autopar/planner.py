@@ -216,7 +216,8 @@ def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> di
     for t in graph.inputs:
         tensor = graph.tensors[t]
         spec = [()] * len(tensor.shape)
-        if tensor.path.startswith(batch_prefix) and tensor.shape and tensor.shape[0] % mesh.size == 0:
+        batch = tensor.path.startswith(batch_prefix)
+        if batch and tensor.shape and tensor.shape[0] % mesh.size == 0:
             spec[0] = everything
         pins[tensor.path] = tuple(spec)
     return pins

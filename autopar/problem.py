@@ -235,8 +235,7 @@ class _Resharding:
         key = (srcs, dsts, paired)
         if key not in self._terms:
             pairs = zip(srcs, dsts) if paired else ((s, d) for s in srcs for d in dsts)
-            table = np.array([reshard_terms(s, d, self.mesh) for s in srcs for d in dsts]
-                             if not paired else [reshard_terms(s, d, self.mesh) for s, d in pairs],
+            table = np.array([reshard_terms(s, d, self.mesh) for s, d in pairs],
                              dtype=np.float64).reshape(-1, 2)
             shape = (len(srcs),) if paired else (len(srcs), len(dsts))
             self._terms[key] = (table[:, 0].reshape(shape), table[:, 1].reshape(shape))

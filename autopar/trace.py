@@ -171,7 +171,8 @@ class _Builder:
             tid = self.tensor(var.aval, const=self.is_const(x))
             x_in.append(tid)
             if not self.is_const(x):
-                op = self.add_op("scan_slice", (x,), (tid,), {"reverse": p["reverse"]}, source, repeat)
+                op = self.add_op("scan_slice", (x,), (tid,), {"reverse": p["reverse"]}, source,
+                                 repeat)
                 requires[n_const + n_carry + i] = (op, 0)
         body_outs = self.walk(body, body_const_ids, [*consts, *carry_in, *x_in],
                               repeat * length, execute=False, names=names)

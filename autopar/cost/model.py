@@ -10,7 +10,6 @@ import functools
 import math
 from typing import Sequence
 
-
 from autopar.cost.hardware import Hardware
 from autopar.ir import Op, Tensor
 from autopar.mesh import MeshShape
