@@ -3,14 +3,15 @@
 Decorate an ordinary single-device step with `auto_parallel(mesh=...)` and it runs sharded over
 the mesh, with a strategy chosen by search under a cost model, readable as a `Plan`.
 """
+from autopar.annotate import shard
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.cost.hardware import PROFILES, Hardware, measure_host
 from autopar.errors import AutoparError
 from autopar.mesh import make_mesh
-from autopar.plan import OpDecision, Plan, TensorPlan, load_plan
+from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.problem import AutoparWarning
 
-__all__ = ["AutoParallel", "auto_parallel", "plan", "PROFILES", "Hardware", "measure_host",
-           "AutoparError", "AutoparWarning", "make_mesh", "OpDecision", "Plan", "TensorPlan",
-           "load_plan"]
+__all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "PROFILES", "Hardware",
+           "measure_host", "AutoparError", "AutoparWarning", "make_mesh", "OpDecision", "Plan",
+           "Redistribution", "TensorPlan", "load_plan"]
 __version__ = "0.1.0"

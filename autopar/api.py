@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from autopar.annotate import Annotations, check_annotations_type
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.errors import AutoparError, collect_errors
 from autopar.ir import OpGraph
@@ -20,15 +21,19 @@ from autopar.trace import trace
 
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
-         hardware: str | Hardware | None = None) -> Plan:
+         hardware: str | Hardware | None = None, annotations: Annotations = None) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
     dict of axis sizes (plans for devices you do not have), a device count, or "auto" (all of
     jax.devices()): for a count, every mesh shape is tried and the cheapest plan kept.
+    `annotations` fixes the sharding of inputs: a dict of regex over input paths ->
+    PartitionSpec (first match wins), or a saved Plan whose input specs seed the search.
     """
     _check_backend(search)
-    return plan_step(fn, args, _mesh_or_count(mesh), get_profile(hardware), search)[2]
+    check_annotations_type(annotations)
+    return plan_step(fn, args, _mesh_or_count(mesh), get_profile(hardware), search,
+                     annotations)[2]
 
 
 def _mesh_or_count(mesh: Any) -> MeshShape | int:
@@ -43,24 +48,32 @@ def _mesh_or_count(mesh: Any) -> MeshShape | int:
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
-                  hardware: str | Hardware | None = None, plan: Plan | None = None) -> Any:
+                  hardware: str | Hardware | None = None, plan: Plan | None = None,
+                  annotations: Annotations = None) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
     (or applies `plan`, with no search) and compiles it; later calls reuse the executable.
     `mesh` may also be a device count or "auto" (all devices): the mesh shape is then chosen
     with the plan, as the cheapest of every arrangement of those devices.
+    `annotations` fixes shardings the search must keep (see `plan`); `autopar.shard(x, spec)`
+    in the step does the same for an intermediate value.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
-                                 plan=plan)
+                                 plan=plan, annotations=annotations)
     if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
         raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
                            "4}); to plan for devices you do not have, use autopar.plan(fn, "
                            "*args, mesh={...}).")
     _check_backend(search)
-    return AutoParallel(fn, mesh, search, get_profile(hardware), plan)
+    check_annotations_type(annotations)
+    if plan is not None and annotations is not None:
+        raise AutoparError("auto_parallel got both plan= (apply a saved plan, no search) and "
+                           "annotations= (seeds for a search). Fix: pass one; to seed a search "
+                           "with a saved plan, pass it as annotations=plan.")
+    return AutoParallel(fn, mesh, search, get_profile(hardware), plan, annotations)
 
 
 def _check_backend(search: str) -> None:
@@ -72,8 +85,9 @@ class AutoParallel:
     """A step function with its plans and executables, one per input signature."""
 
     def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
-                 saved: Plan | None) -> None:
+                 saved: Plan | None, annotations: Annotations = None) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
+        self.annotations = annotations
         self.requested = mesh if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
         if saved is not None and not isinstance(mesh, Mesh):
             self.requested = mesh_shape(dict(saved.mesh))
@@ -91,7 +105,8 @@ class AutoParallel:
             requested = self.requested
             shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
             if self.saved is None:
-                graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search)
+                graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
+                                                self.annotations)
             else:
                 graph, in_tree, out_shape = trace(self.fn, args)
                 decisions = decisions_from_plan(graph, self.saved, shape)

@@ -43,6 +43,30 @@ class OpDecision:
     partial_axes: tuple[str, ...]
     compute_s: float
     communication_s: float
+    scope: str = ""  # the module path it was called from
+    backward: bool = False  # part of the backward pass
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """A change of sharding the plan inserts between where a tensor is made and where it is used.
+
+    `annotated` marks those at an annotation (the tensor, or the operator using it, is
+    annotated): where two annotations cannot both hold, this is the resharding between them.
+    """
+
+    where: str
+    tensor: str
+    shape: tuple[int, ...]
+    from_spec: Spec
+    to_spec: Spec
+    cost_s: float
+    annotated: bool = False
+
+    def describe(self) -> str:
+        return (f"{self.tensor} {self.shape} {to_partition_spec(self.from_spec)} -> "
+                f"{to_partition_spec(self.to_spec)} for {self.where}: "
+                f"{self.cost_s * 1e3:.4f} ms")
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,7 @@ class Plan:
     ops: tuple[OpDecision, ...]
     cost: dict[str, float] = field(hash=False)
     search_stats: dict[str, Any] = field(hash=False, default_factory=dict)
+    redistributions: tuple[Redistribution, ...] = ()
     in_tree: Any = field(default=None, compare=False, hash=False, repr=False)
     out_tree: Any = field(default=None, compare=False, hash=False, repr=False)
 
@@ -91,6 +116,16 @@ class Plan:
         lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, communication "
                      f"{c['communication_s'] * 1e3:.3f} ms, total {c['total_s'] * 1e3:.3f} ms; "
                      f"peak memory {c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
+        at = [r for r in self.redistributions if r.annotated]
+        if at:
+            lines.append(f"redistributions at annotations ({len(at)}):")
+            lines += [f"  {r.describe()}" for r in sorted(at, key=lambda r: -r.cost_s)[:limit]]
+        rest = [r for r in self.redistributions if not r.annotated]
+        if rest:
+            total = sum(r.cost_s for r in rest)
+            lines.append(f"{len(rest)} other redistributions, {total * 1e3:.3f} ms in all; "
+                         "the costliest:")
+            lines += [f"  {r.describe()}" for r in sorted(rest, key=lambda r: -r.cost_s)[:3]]
         return "\n".join(lines)
 
     # -- JSON --------------------------------------------------------------------------------------
@@ -105,11 +140,14 @@ class Plan:
             "ops": [_op_json(o) for o in self.ops],
             "cost": self.cost,
             "search_stats": self.search_stats,
+            "redistributions": [_redistribution_json(r) for r in self.redistributions],
         }
         return json.dumps(body, indent=indent)
 
     @staticmethod
     def from_json(text: str) -> "Plan":
+        """A plan from its JSON. A partial plan (only `mesh` and some `inputs`, each with path,
+        shape and spec) reads too: it serves as annotations, not to run a step."""
         try:
             body = json.loads(text)
             if body.get("format_version") != FORMAT_VERSION:
@@ -117,12 +155,14 @@ class Plan:
                                    f"{FORMAT_VERSION}. Fix: plan again with this autopar version.")
             mesh = tuple(zip(body["mesh"]["axis_names"], body["mesh"]["axis_sizes"]))
             return Plan(
-                mesh=tuple((str(n), int(s)) for n, s in mesh), backend=body["backend"],
-                hardware=body["hardware"],
+                mesh=tuple((str(n), int(s)) for n, s in mesh), backend=body.get("backend", ""),
+                hardware=body.get("hardware", ""),
                 inputs=tuple(_tensor_from(t) for t in body["inputs"]),
-                outputs=tuple(_tensor_from(t) for t in body["outputs"]),
-                ops=tuple(_op_from(o) for o in body["ops"]),
-                cost=body["cost"], search_stats=body.get("search_stats", {}))
+                outputs=tuple(_tensor_from(t) for t in body.get("outputs", [])),
+                ops=tuple(_op_from(o) for o in body.get("ops", [])),
+                cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),
+                redistributions=tuple(_redistribution_from(r)
+                                      for r in body.get("redistributions", [])))
         except (KeyError, TypeError, ValueError) as e:
             raise AutoparError(f"not a valid autopar plan JSON ({e!r}). Fix: load a file written "
                                "by Plan.save or Plan.to_json.") from e
@@ -153,8 +193,8 @@ def _tensor_json(t: TensorPlan) -> dict:
 
 
 def _tensor_from(d: dict) -> TensorPlan:
-    return TensorPlan(d["path"], tuple(d["shape"]), d["dtype"], _spec_from(d["spec"]),
-                      int(d["bytes_per_device"]))
+    return TensorPlan(d["path"], tuple(d["shape"]), d.get("dtype", ""), _spec_from(d["spec"]),
+                      int(d.get("bytes_per_device", 0)))
 
 
 def _op_json(o: OpDecision) -> dict:
@@ -169,7 +209,20 @@ def _op_from(d: dict) -> OpDecision:
         int(d["index"]), d["primitive"], d["source"], tuple(tuple(s) for s in d["in_shapes"]),
         tuple(tuple(s) for s in d["out_shapes"]), tuple(_spec_from(s) for s in d["in_specs"]),
         tuple(_spec_from(s) for s in d["out_specs"]), tuple(d["partial_axes"]),
-        float(d["compute_s"]), float(d["communication_s"]))
+        float(d["compute_s"]), float(d["communication_s"]), d.get("scope", ""),
+        bool(d.get("backward", False)))
+
+
+def _redistribution_json(r: Redistribution) -> dict:
+    return {"where": r.where, "tensor": r.tensor, "shape": list(r.shape),
+            "from_spec": _spec_json(r.from_spec), "to_spec": _spec_json(r.to_spec),
+            "from": str(to_partition_spec(r.from_spec)), "to": str(to_partition_spec(r.to_spec)),
+            "cost_s": r.cost_s, "annotated": r.annotated}
+
+
+def _redistribution_from(d: dict) -> Redistribution:
+    return Redistribution(d["where"], d["tensor"], tuple(d["shape"]), _spec_from(d["from_spec"]),
+                          _spec_from(d["to_spec"]), float(d["cost_s"]), bool(d["annotated"]))
 
 
 def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:

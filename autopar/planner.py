@@ -9,18 +9,19 @@ import jax
 import numpy as np
 
 import search
+from autopar.annotate import Annotations, resolve as resolve_annotations
 from autopar.cost.hardware import Hardware
 from autopar.cost.model import op_time, reshard_time, shard_bytes
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
-from autopar.plan import OpDecision, Plan, TensorPlan
+from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.problem import Problem, build_problem, make_units
 from autopar.recursive import solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
 
-BACKENDS = ("dynamic_programming", "recursive_programming")
+BACKENDS = ("dynamic_programming", "recursive_programming", "sharding_propagation")
 EXACT_TABLE_LIMIT = 2e7  # entries of the largest table exact elimination may build
 BOUNDED_TABLE_LIMIT = 1e6  # table size of mini-bucket elimination (larger is slower, not better)
 
@@ -41,8 +42,9 @@ class Decisions:
 
 
 def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
-          pinned: dict[str, Spec] | None = None) -> tuple[Decisions, dict]:
-    """Search the strategies of `graph` on `mesh` with `backend`, inputs in `pinned` fixed."""
+          pinned: dict[int, Spec] | None = None) -> tuple[Decisions, dict]:
+    """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
+    (tensor id -> spec: annotated inputs and `autopar.shard` results)."""
     if backend not in BACKENDS:
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
@@ -51,6 +53,9 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     if backend == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units)
         space = "one axis at a time"
+    elif backend == "sharding_propagation":
+        problem, solution = _propagate(graph, mesh, hw, pinned or {}, units)
+        space = "propagation from the annotations"
     else:
         problem = build_problem(graph, mesh, hw, pinned, units=units)
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
@@ -75,7 +80,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
 
 
 def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                       pinned: dict[str, Spec] | None, full: Problem
+                       pinned: dict[int, Spec] | None, full: Problem
                        ) -> tuple[Problem, search.Solution, str]:
     """The cheaper of two answers when exact tables for the full space do not fit.
 
@@ -96,6 +101,33 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     return problem, search.Solution(best.choice, best.cost, stats), space
 
 
+def _propagate(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec],
+               units: list) -> tuple[Problem, search.Solution]:
+    """Sharding propagation from the pinned tensors; unreached nodes get data parallel."""
+    if not pinned:
+        raise AutoparError(
+            "search='sharding_propagation' spreads annotations, and this step has none. Fix: "
+            "pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), call "
+            "autopar.shard(x, P(...)) in the model, or use search='dynamic_programming'.")
+    problem = build_problem(graph, mesh, hw, pinned, units=units)
+    seeds = sorted({problem.node_of[u] for u, unit in enumerate(problem.units)
+                    if unit.outputs and unit.outputs[0] in pinned})
+    defaults = [_data_parallel_choice(problem.choices[r]) for r in problem.roots]
+    return problem, search.solve(problem.graph, "sharding_propagation", seeds=seeds,
+                                 defaults=defaults)
+
+
+def _data_parallel_choice(options: list[Strategy]) -> int:
+    """The strategy splitting the first result dimension (the batch) over the most devices and
+    nothing else; the first (replicated) one if none does."""
+    best, best_ways = 0, 1
+    for j, s in enumerate(options):
+        spec = s.out_specs[0] if s.out_specs else ()
+        if spec and spec[0] and not any(spec[1:]) and not s.partial_axes and s.parallel > best_ways:
+            best, best_ways = j, s.parallel
+    return best
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, (np.integer,)):
         return int(v)
@@ -105,28 +137,49 @@ def _plain(v: Any) -> Any:
 
 
 def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, backend: str,
-             stats: dict, in_tree: Any = None, out_tree: Any = None) -> Plan:
-    """The Plan of `decisions`: specs, per-op costs, and totals per device."""
+             stats: dict, in_tree: Any = None, out_tree: Any = None,
+             pinned: dict[int, Spec] | None = None) -> Plan:
+    """The Plan of `decisions`: specs, per-op costs, redistributions and totals per device.
+
+    `pinned` (the annotated tensors) marks the redistributions at annotations.
+    """
     tensors = graph.tensors
+    pinned = pinned or {}
     specs = decisions.tensor_specs(graph)
     decisions_out = []
+    moves: list[Redistribution] = []
     compute = comm = 0.0
+
+    def name(t: int) -> str:
+        return tensors[t].path or f"tensor {t}"
+
     for op, st in zip(graph.ops, decisions.ops):
         c, m = op_time(op, st, tensors, mesh, hw)
-        for t, need in zip(op.inputs, st.in_specs):
-            if not tensors[t].const and t in specs:
-                m += op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
+        for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
+            if not tensors[t].const and t in specs and specs[t] != need:
+                move = op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
+                m += move
+                at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
+                moves.append(Redistribution(
+                    f"operand {i} of {op.primitive} #{op.id} ({op.source})", name(t),
+                    tensors[t].shape, specs[t], need, move, at_annotation))
         compute, comm = compute + c, comm + m
         decisions_out.append(OpDecision(
             op.id, op.primitive, op.source, tuple(tensors[t].shape for t in op.inputs),
             tuple(tensors[t].shape for t in op.outputs), st.in_specs, st.out_specs,
-            st.partial_axes, c, m))
+            st.partial_axes, c, m, op.scope, op.backward))
     out_specs = []
     for k, t in enumerate(graph.outputs):
         spec = specs.get(t, replicated(len(tensors[t].shape)))
         if k in graph.state_pairs:  # returned in the sharding it arrived in
+            t_in = graph.inputs[graph.state_pairs[k]]
             final = decisions.inputs[graph.state_pairs[k]]
-            comm += reshard_time(tensors[t], spec, final, mesh, hw)
+            if spec != final:
+                move = reshard_time(tensors[t], spec, final, mesh, hw)
+                comm += move
+                moves.append(Redistribution(f"returning the state {name(t_in)}", name(t),
+                                            tensors[t].shape, spec, final, move,
+                                            t_in in pinned))
             spec = final
         out_specs.append(spec)
 
@@ -140,7 +193,7 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     return Plan(tuple(zip(mesh.names, mesh.sizes)), backend, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
                 tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
-                in_tree, out_tree)
+                tuple(moves), in_tree, out_tree)
 
 
 def peak_memory(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape) -> int:
@@ -170,25 +223,35 @@ def peak_memory(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape) -> int:
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
-              backend: str, pinned: dict[str, Spec] | None = None
+              backend: str, annotations: Annotations = None
               ) -> tuple[OpGraph, Decisions, Plan]:
     """Trace, search and assemble: the whole planning pipeline for one call signature.
 
     `mesh` given as a device count tries every mesh shape of that many devices
-    (`candidate_meshes`) and keeps the plan of least estimated cost.
+    (`candidate_meshes`) on which the annotations apply, and keeps the plan of least estimated
+    cost.
     """
     t0 = time.perf_counter()
     graph, in_tree, out_shape = trace(fn, args)
     t1 = time.perf_counter()
     out_tree = jax.tree_util.tree_structure(out_shape)
+    shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
     best = None
-    for shape in candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]:
+    first_error = None
+    for shape in shapes:
+        try:
+            pinned = resolve_annotations(graph, shape, annotations)
+        except AutoparError as e:  # a candidate mesh without the annotated axes
+            first_error = first_error or e
+            continue
         decisions, stats = solve(graph, shape, hw, backend, pinned)
         stats["trace_s"] = t1 - t0
-        plan = assemble(graph, decisions, shape, hw, backend, stats, in_tree, out_tree)
+        plan = assemble(graph, decisions, shape, hw, backend, stats, in_tree, out_tree, pinned)
         if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
             best = (decisions, plan)
-    assert best is not None
+    if best is None:
+        assert first_error is not None
+        raise first_error
     return graph, best[0], best[1]
 
 
@@ -208,7 +271,7 @@ def candidate_meshes(devices: int) -> list[MeshShape]:
     return [MeshShape(AUTO_AXIS_NAMES[len(s)], s) for s in shapes]
 
 
-def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> dict[str, Spec]:
+def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> dict[int, Spec]:
     """Plain data parallel as pins: inputs under `batch_prefix` split on their first dimension
     over every mesh axis, everything else replicated."""
     everything = tuple(n for n, s in zip(mesh.names, mesh.sizes) if s > 1)
@@ -219,7 +282,7 @@ def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> di
         batch = tensor.path.startswith(batch_prefix)
         if batch and tensor.shape and tensor.shape[0] % mesh.size == 0:
             spec[0] = everything
-        pins[tensor.path] = tuple(spec)
+        pins[t] = tuple(spec)
     return pins
 
 

@@ -21,6 +21,7 @@ from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
                            replicated_rule, rule_for)
+from autopar.rules.factors import strategy
 from autopar.layers import repeated_ties
 
 # Operators that choose their own strategy; every other operator with a rule follows the
@@ -67,6 +68,7 @@ class Problem:
     node_of: list[int]  # unit -> node
     choices: list[list[Strategy]]  # unit -> its strategy for each strategy of its node
     producer: dict[int, tuple[int, int]]  # tensor -> (unit, output index)
+    roots: list[int]  # node -> the unit that defines it
 
     def decode(self, choice: np.ndarray) -> list[Strategy]:
         """The strategy of every unit under the search's choice per node."""
@@ -114,11 +116,12 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                  pinned: dict[str, Spec] | None = None, extend: Extension | None = None,
+                  pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
                   tie_layers: bool = True, units: list[Unit] | None = None) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
-    `pinned` fixes the sharding of inputs by path: their other strategies cost infinity.
+    `pinned` fixes the sharding of tensors by id (inputs, and results of `autopar.shard`): the
+    unit producing one becomes a node of its own with that one strategy.
     `extend` keeps only the strategies that agree with earlier decisions on the axes they were
     made for: a round of the device recursion adds one axis to the rounds before.
     `tie_layers` gives every instance of a repeated layer the strategies of the first one.
@@ -127,7 +130,8 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     units = make_units(graph) if units is None else units
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     same_layer = repeated_ties(graph, units) if tie_layers else {}
-    node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend)
+    node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
+                                     pinned or {})
     reshard = _Resharding(mesh, hw)
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
@@ -136,9 +140,6 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         if unit.op is not None:
             node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph.tensors, mesh, hw,
                                                   op_costs)
-        elif pinned and unit.name in pinned:
-            allowed = np.array([s.out_specs[0] == pinned[unit.name] for s in choices[u]])
-            node_costs[node_of[u]][~allowed] = np.inf
 
     edges: list[tuple[int, int, np.ndarray]] = []
 
@@ -173,18 +174,20 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
 
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
-    return Problem(cost_graph, units, node_of, choices, producer)
+    return Problem(cost_graph, units, node_of, choices, producer, roots)
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
-           mesh: MeshShape, same_layer: dict[int, int], extend: Extension | None
-           ) -> tuple[list[int], list[list[Strategy]], list[int]]:
+           mesh: MeshShape, same_layer: dict[int, int], extend: Extension | None,
+           pinned: dict[int, Spec]) -> tuple[list[int], list[list[Strategy]], list[int]]:
     """Nodes of the search: which node each unit belongs to, each unit's strategy for every
     strategy of its node, and the unit that defines each node.
 
     A unit that follows takes its producer's node and derives its strategy from the producer's
     output spec; an instance of a repeated layer takes the first instance's node; any other unit
     defines a node of its own with all its strategies (those extending `extend`, if given).
+    A unit whose result is pinned neither follows nor ties: it is a node of its own with the
+    one strategy that produces the pinned spec.
     """
     node_of: list[int] = []
     choices: list[list[Strategy]] = []
@@ -193,7 +196,12 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     for u, unit in enumerate(units):
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
-        if source is not None and source[0] < u:
+        fixed = pinned.get(unit.outputs[0]) if unit.outputs else None
+        if fixed is not None:
+            node_of.append(len(roots))
+            roots.append(u)
+            choices.append([pinned_strategy(unit.rule, mesh, fixed)])
+        elif source is not None and source[0] < u:
             src_unit, k = source
             node_of.append(node_of[src_unit])
             derived = []
@@ -203,7 +211,7 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
                     followed[key] = follow(unit.rule, mesh, main, s.out_specs[k])
                 derived.append(followed[key])
             choices.append(derived)
-        elif u in same_layer:
+        elif u in same_layer and not set(units[same_layer[u]].outputs[:1]) & pinned.keys():
             node_of.append(node_of[same_layer[u]])
             choices.append(choices[same_layer[u]])
         else:
@@ -214,6 +222,12 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
                 options = extend.filter(options, extend.assignments[u]) or options[:1]
             choices.append(options)
     return node_of, choices, roots
+
+
+def pinned_strategy(rule: Rule, mesh: MeshShape, spec: Spec) -> Strategy:
+    """The strategy of a one-result rule whose result has `spec` (checked by annotate)."""
+    dims = rule.results[0]
+    return strategy(rule, mesh, {f: axes for f, axes in zip(dims, spec) if f and axes})
 
 
 def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:

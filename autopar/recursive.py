@@ -38,7 +38,7 @@ def solve_round(problem: Problem) -> tuple[search.Solution, bool]:
 
 
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                    pinned: dict[str, Spec] | None, units: list[Unit] | None = None
+                    pinned: dict[int, Spec] | None, units: list[Unit] | None = None
                     ) -> tuple[Problem, search.Solution, dict]:
     """Plan `graph` axis by axis; returns the last round's problem and solution, and stats."""
     units = make_units(graph) if units is None else units
@@ -54,8 +54,8 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         names = tuple(n for n in mesh.names if n in done)
         sub = MeshShape(names, tuple(mesh.axis_size(n) for n in names))
         sub_pins = None if pinned is None else {
-            path: tuple(tuple(a for a in axes if a in names) for axes in spec)
-            for path, spec in pinned.items()}
+            t: tuple(tuple(a for a in axes if a in names) for axes in spec)
+            for t, spec in pinned.items()}
         problem = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
         solution, exact = solve_round(problem)
         exact_rounds += exact

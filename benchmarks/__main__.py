@@ -1,5 +1,7 @@
-"""`python -m benchmarks [--quick] [--depths 12 24 ...]`: run the suite, write the results.
+"""`python -m benchmarks [--quick] [--suites ...] [--depths 12 24 ...]`: run, write the results.
 
+Suites: `planning` (search time and quality at depth and scale, overhead against jax.jit) and
+`propagation` (annotations spread by sharding_propagation against the search).
 Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
 Timings are of this machine; compare them as ratios within one run.
 """
@@ -17,7 +19,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import planning  # noqa: E402
+from benchmarks import planning, propagation  # noqa: E402
+
+TITLES = {"planning": "Planning benchmark", "propagation": "Sharding propagation benchmark"}
 
 
 def machine() -> dict[str, str]:
@@ -25,6 +29,10 @@ def machine() -> dict[str, str]:
             "platform": platform.platform(), "processor": platform.machine(),
             "cpus": str(os.cpu_count()), "devices": f"{len(jax.devices())} x "
             f"{jax.devices()[0].device_kind}"}
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -39,20 +47,32 @@ def main() -> None:
                         help="skip dynamic_programming above this depth")
     parser.add_argument("--hardware", default="h100", help="profile the plans are costed on")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--suites", nargs="+", default=list(TITLES), choices=list(TITLES))
     args = parser.parse_args()
     if args.quick:
         args.depths, args.d_model, args.seq, args.batch = [2, 4], 128, 32, 64
-    print(f"planning benchmark: depths {args.depths}, devices {args.devices}, "
-          f"d_model {args.d_model}, hardware {args.hardware}", flush=True)
-    result = planning.run(args.depths, args.devices, args.d_model, args.seq, args.batch,
-                          args.dp_max_layers, args.hardware, log=lambda s: print(s, flush=True))
+    for suite in args.suites:
+        if suite == "planning":
+            print(f"planning benchmark: depths {args.depths}, devices {args.devices}, "
+                  f"d_model {args.d_model}, hardware {args.hardware}", flush=True)
+            result = planning.run(args.depths, args.devices, args.d_model, args.seq,
+                                  args.batch, args.dp_max_layers, args.hardware, log=log)
+            table = planning.markdown(result)
+        else:
+            print("sharding propagation benchmark", flush=True)
+            result = propagation.run(args.quick, log=log)
+            table = propagation.markdown(result)
+        write(suite, result, table, args)
+
+
+def write(suite: str, result: dict, table: str, args: argparse.Namespace) -> None:
     result["machine"] = machine()
     result["arguments"] = vars(args)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{stamp}-planning")
-    table = planning.markdown(result)
-    header = "# Planning benchmark\n\n" + "\n".join(f"- {k}: {v}" for k, v in result["machine"].items())
+    base = os.path.join(args.out, f"{stamp}-{suite}")
+    header = f"# {TITLES[suite]}\n\n" + "\n".join(f"- {k}: {v}"
+                                                   for k, v in result["machine"].items())
     with open(base + ".md", "w") as f:
         f.write(header + "\n\n" + table + "\n")
     with open(base + ".json", "w") as f:

@@ -20,11 +20,13 @@ from .costgraph import (
 from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
+from . import sharding_propagation as sharding_propagation  # noqa: E402
 from .bounded import solve_bounded
 from .brute_force import solve_brute_force
 from .width import largest_table
 from .dynamic_programming import solve_dynamic_programming
 from .recursive_programming import solve_recursive_programming
+from .sharding_propagation import solve_sharding_propagation
 
 __all__ = [
     "BACKENDS",
@@ -40,4 +42,5 @@ __all__ = [
     "solve_brute_force",
     "solve_dynamic_programming",
     "solve_recursive_programming",
+    "solve_sharding_propagation",
 ]

@@ -22,7 +22,7 @@ ELEMENTWISE = {
     "ne", "neg", "nextafter", "not", "or", "population_count", "pow", "real", "reduce_precision",
     "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
-    "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out",
+    "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out", "autopar_shard",
 }
 REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
               "reduce_xor"}

@@ -1,0 +1,192 @@
+"""Annotations: the shardings a user fixes, checked and turned into constraints of the search.
+
+Three sources end in one map, tensor id -> Spec, which every backend treats as fixed:
+- `shard(x, P(...))` in model code: an identity primitive that carries the spec into the jaxpr.
+  Outside autopar it does nothing (it lowers to its operand), under `grad` its cotangent passes
+  through unannotated, under `vmap` the batch dimension is left unsplit.
+- `annotations={regex: P(...)}` over the step's input paths: `re.search`, first match wins, as
+  with logical-axis rules.
+- a saved `Plan`, whole or partial (a JSON file with only some inputs): its input specs, by
+  exact path.
+An annotation that cannot apply is an AutoparError naming the path, the shape, the mesh and the
+fix; all such problems are reported together.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+from jax.extend import source_info_util
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec
+
+from autopar.errors import AutoparError, collect_errors
+from autopar.ir import OpGraph
+from autopar.mesh import MeshShape
+from autopar.plan import Plan
+from autopar.rules.factors import Spec
+
+SHARD_PRIMITIVE = "autopar_shard"
+
+# Where a `shard` call is reported: the user's line, not this file's.
+source_info_util.register_exclusion(__file__)
+
+shard_p = Primitive(SHARD_PRIMITIVE)
+shard_p.def_impl(lambda x, *, spec: x)
+shard_p.def_abstract_eval(lambda x, *, spec: x)
+mlir.register_lowering(shard_p, mlir.lower_fun(lambda x, *, spec: x, multiple_results=False))
+# Linear: the tangent is annotated like the primal, the cotangent passes through as it is.
+ad.deflinear2(shard_p, lambda ct, x, *, spec: [ct])
+
+
+def _batch_rule(args: Any, dims: Any, *, spec: PartitionSpec) -> tuple[Any, Any]:
+    (x,), (d,) = args, dims
+    if d is None:  # not mapped
+        return shard_p.bind(x, spec=spec), d
+    entries = list(spec) + [None] * (x.ndim - 1 - len(spec))
+    entries.insert(d, None)
+    return shard_p.bind(x, spec=PartitionSpec(*entries)), d
+
+
+batching.primitive_batchers[shard_p] = _batch_rule
+
+
+def shard(x: Any, spec: PartitionSpec | tuple) -> Any:
+    """Ask for `x` to be sharded as `spec` (a PartitionSpec over the mesh's axis names).
+
+    Inside a step planned by autopar this is a hard constraint on the search; elsewhere it
+    returns `x` unchanged, so model code keeps working on one device.
+    """
+    if not isinstance(spec, PartitionSpec):
+        spec = PartitionSpec(*spec) if isinstance(spec, (tuple, list)) else PartitionSpec(spec)
+    return shard_p.bind(x, spec=spec)
+
+
+Annotations = Mapping[str, Any] | Iterable[tuple[str, Any]] | Plan | None
+
+
+def resolve(graph: OpGraph, mesh: MeshShape, annotations: Annotations) -> dict[int, Spec]:
+    """Tensor id -> fixed spec, from `annotations` and the graph's `shard` calls, checked."""
+    problems: list[str] = []
+    seeds: dict[int, Spec] = {}
+    if isinstance(annotations, Plan):
+        _from_plan(graph, mesh, annotations, seeds, problems)
+    elif annotations is not None:
+        _from_rules(graph, mesh, annotations, seeds, problems)
+    for op in graph.ops:
+        if op.primitive == SHARD_PRIMITIVE:
+            t = op.outputs[0]
+            where = f"autopar.shard at {op.source}" + (f" in {op.scope}" if op.scope else "")
+            spec = check_spec(op.params["spec"], graph.tensors[t].shape, mesh, where, problems)
+            if spec is not None:
+                seeds[t] = spec
+    collect_errors(problems, f"annotations that cannot apply on mesh {mesh}:")
+    return seeds
+
+
+def _from_rules(graph: OpGraph, mesh: MeshShape, annotations: Any, seeds: dict[int, Spec],
+                problems: list[str]) -> None:
+    pairs = list(annotations.items() if isinstance(annotations, Mapping) else annotations)
+    compiled = []
+    for pattern, spec in pairs:
+        try:
+            compiled.append((pattern, re.compile(pattern), spec))
+        except (re.error, TypeError) as e:
+            problems.append(f"annotation {pattern!r} is not a regular expression ({e}). Fix: "
+                            "write a Python regex over input paths like 'params/.*/kernel'.")
+    used = set()
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        for pattern, regex, spec in compiled:
+            if regex.search(tensor.path or ""):
+                used.add(pattern)
+                where = f"input {tensor.path} (annotation {pattern!r})"
+                checked = check_spec(spec, tensor.shape, mesh, where, problems)
+                if checked is not None:
+                    seeds[t] = checked
+                break
+    for pattern, _, _ in compiled:
+        if pattern not in used:
+            sample = ", ".join(repr(graph.tensors[t].path) for t in graph.inputs[:4])
+            problems.append(f"annotation {pattern!r} matches no input path (mesh {mesh}; it "
+                            f"may be shadowed by an earlier annotation). Inputs look like {sample}"
+                            " ... Fix: correct the regex, or see plan.specs for every path.")
+
+
+def _from_plan(graph: OpGraph, mesh: MeshShape, saved: Plan, seeds: dict[int, Spec],
+               problems: list[str]) -> None:
+    by_path = {graph.tensors[t].path: t for t in graph.inputs}
+    shared = [entry for entry in saved.inputs if entry.path in by_path]
+    if not shared:
+        problems.append(f"the saved plan shares no input path with this step (its first: "
+                        f"{[e.path for e in saved.inputs[:3]]}, the step's: "
+                        f"{list(by_path)[:3]}). Fix: seed with a plan of this step.")
+    for entry in shared:
+        t = by_path[entry.path]
+        shape = graph.tensors[t].shape
+        where = f"input {entry.path} (saved plan)"
+        if tuple(entry.shape) != shape:
+            problems.append(f"{where} has shape {shape} here but {tuple(entry.shape)} in the "
+                            f"plan (mesh {mesh}). Fix: plan again for these arguments.")
+            continue
+        checked = check_spec(entry.partition_spec, shape, mesh, where, problems)
+        if checked is not None:
+            seeds[t] = checked
+
+
+def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
+               problems: list[str]) -> Spec | None:
+    """`spec` as our Spec for a tensor of `shape`, or None after adding what is wrong with it.
+
+    Axes of size 1 split nothing and are dropped.
+    """
+    head = f"{where} with shape {shape} on mesh {mesh}"
+    if spec is None:
+        spec = PartitionSpec()
+    if not isinstance(spec, PartitionSpec):
+        problems.append(f"{head}: {spec!r} is not a PartitionSpec. Fix: write "
+                        "jax.sharding.PartitionSpec(...), e.g. P(None, 'model').")
+        return None
+    if len(spec) > len(shape):
+        problems.append(f"{head}: {spec} has {len(spec)} entries for a tensor of rank "
+                        f"{len(shape)}. Fix: give at most {len(shape)} entries.")
+        return None
+    found = len(problems)
+    out: list[tuple[str, ...]] = []
+    seen: set[str] = set()
+    for k, entry in enumerate(list(spec) + [None] * (len(shape) - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        unknown = [a for a in axes if a not in mesh.names]
+        if unknown:
+            problems.append(f"{head}: {spec} names axis {unknown[0]!r}, which the mesh does not "
+                            f"have. Fix: use the mesh's axes {list(mesh.names)}.")
+            continue
+        twice = [a for a in axes if a in seen]
+        if twice:
+            problems.append(f"{head}: {spec} uses axis {twice[0]!r} for two dimensions. Fix: "
+                            "split each dimension over different axes.")
+        seen.update(axes)
+        if list(axes) != sorted(axes, key=mesh.names.index):
+            problems.append(f"{head}: {spec} lists axes {axes} of dimension {k} out of mesh "
+                            f"order. Fix: write them as {tuple(sorted(axes, key=mesh.names.index))}.")
+        axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
+        ways = 1
+        for a in axes:
+            ways *= mesh.axis_size(a)
+        if shape[k] % ways:
+            problems.append(f"{head}: dimension {k} has size {shape[k]}, which {axes} "
+                            f"({ways} devices) does not divide. Fix: annotate that dimension "
+                            "with axes whose sizes divide it, or None.")
+        out.append(axes)
+    return tuple(out) if len(problems) == found else None
+
+
+def check_annotations_type(annotations: Any) -> None:
+    """Reject what cannot be annotations before any tracing."""
+    if annotations is None or isinstance(annotations, (Plan, Mapping, list, tuple)):
+        return
+    raise AutoparError(f"annotations={annotations!r} is not understood. Fix: pass a dict of "
+                       "regex -> PartitionSpec over input paths, a list of such pairs, or a Plan "
+                       "(autopar.load_plan(path)).")
+
