@@ -60,7 +60,8 @@ def main() -> None:
             table = planning.markdown(result)
         else:
             print("sharding propagation benchmark", flush=True)
-            result = propagation.run(args.quick, log=log)
+            cases = propagation.QUICK_CASES if args.quick else propagation.CASES
+            result = propagation.run(cases, log=log)
             table = propagation.markdown(result)
         write(suite, result, table, args)
 

@@ -42,9 +42,10 @@ QUICK_CASES = [("example GPT", dict(batch=16, seq=32, vocab=256, d_model=64, hea
                 {"data": 2, "model": 4}, "cpu")]
 
 
-def run(quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(cases: list[tuple], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Plan every case of `cases` (name, GPT arguments, mesh, hardware) as described above."""
     rows = []
-    for name, config, mesh, hardware in QUICK_CASES if quick else CASES:
+    for name, config, mesh, hardware in cases:
         step, state, batch = models.gpt_abstract(**config)
         reference = autopar.plan(step, state, batch, mesh=mesh, hardware=hardware)
         for kind, annotations in ANNOTATIONS.items():

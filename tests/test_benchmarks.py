@@ -1,5 +1,5 @@
 """A smoke run of the planning benchmark at a tiny size."""
-from benchmarks import planning
+from benchmarks import planning, propagation
 
 
 def test_planning_benchmark_smoke():
@@ -10,3 +10,14 @@ def test_planning_benchmark_smoke():
                             seq=8, batch=16)
     table = planning.markdown({"planning": [row, dp], "overhead": []})
     assert "| 1 | 8 | recursive_programming |" in table
+
+
+def test_propagation_benchmark_smoke():
+    tiny = [("tiny GPT", dict(batch=8, seq=8, vocab=32, d_model=32, heads=4, layers=1),
+             {"data": 2, "model": 4}, "cpu")]
+    result = propagation.run(tiny, log=lambda line: None)
+    rows = result["propagation"]
+    assert len(rows) == 2 * len(propagation.BACKENDS)
+    # DP under the same annotations is the reference of each group.
+    assert all(r["over_dp"] == 1.0 for r in rows if r["backend"] == "dynamic_programming")
+    assert "| tiny GPT | 2x4 | megatron | sharding_propagation |" in propagation.markdown(result)
