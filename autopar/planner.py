@@ -11,7 +11,8 @@ import numpy as np
 import search
 from autopar.annotate import Annotations, resolve as resolve_annotations
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_time, reshard_time, shard_bytes
+from autopar.cost.model import (op_collectives, op_time, reshard_collectives, reshard_time,
+                                shard_bytes)
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
@@ -149,15 +150,28 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     decisions_out = []
     moves: list[Redistribution] = []
     compute = comm = 0.0
+    collective_bytes: dict[str, float] = {}
+
+    def count(kinds: dict[str, float], times: int = 1) -> None:
+        for kind, nbytes in kinds.items():
+            collective_bytes[kind] = collective_bytes.get(kind, 0.0) + times * nbytes
 
     def name(t: int) -> str:
         return tensors[t].path or f"tensor {t}"
 
+    # A tensor resharded to one spec moves once, however many operators use it that way: the
+    # lowering's constraints for them are equal and XLA merges them. (The search charges every
+    # use: its objective can only be higher than the plan's cost.)
+    moved: set[tuple[int, Spec]] = set()
     for op, st in zip(graph.ops, decisions.ops):
         c, m = op_time(op, st, tensors, mesh, hw)
+        count(op_collectives(op, st, tensors, mesh))
         for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
-            if not tensors[t].const and t in specs and specs[t] != need:
+            if not tensors[t].const and t in specs and specs[t] != need \
+                    and (t, need) not in moved:
+                moved.add((t, need))
                 move = op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
+                count(reshard_collectives(tensors[t], specs[t], need, mesh), op.repeat)
                 m += move
                 at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
                 moves.append(Redistribution(
@@ -176,6 +190,7 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
             final = decisions.inputs[graph.state_pairs[k]]
             if spec != final:
                 move = reshard_time(tensors[t], spec, final, mesh, hw)
+                count(reshard_collectives(tensors[t], spec, final, mesh))
                 comm += move
                 moves.append(Redistribution(f"returning the state {name(t_in)}", name(t),
                                             tensors[t].shape, spec, final, move,
@@ -189,7 +204,8 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
                      for t, s in zip(ids, spec_list))
 
     cost = {"compute_s": compute, "communication_s": comm, "total_s": compute + comm,
-            "peak_memory_bytes": peak_memory(graph, specs, mesh)}
+            "peak_memory_bytes": peak_memory(graph, specs, mesh),
+            **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(collective_bytes.items())}}
     return Plan(tuple(zip(mesh.names, mesh.sizes)), backend, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
                 tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,

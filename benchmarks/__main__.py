@@ -1,7 +1,9 @@
 """`python -m benchmarks [--quick] [--suites ...] [--depths 12 24 ...]`: run, write the results.
 
-Suites: `planning` (search time and quality at depth and scale, overhead against jax.jit) and
-`propagation` (annotations spread by sharding_propagation against the search).
+Suites: `quality` (our plans against hand-written ones on small models and 8 simulated devices,
+with what XLA compiled of each), `propagation` (annotations spread by sharding_propagation
+against the search) and `planning` (search time and quality at depth and scale, overhead
+against jax.jit).
 Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
 Timings are of this machine; compare them as ratios within one run.
 """
@@ -19,9 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import planning, propagation  # noqa: E402
+from benchmarks import planning, propagation, quality  # noqa: E402
 
-TITLES = {"planning": "Planning benchmark", "propagation": "Sharding propagation benchmark"}
+TITLES = {"quality": "Plan quality and cost-model fidelity",
+          "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark"}
 
 
 def machine() -> dict[str, str]:
@@ -48,11 +51,21 @@ def main() -> None:
     parser.add_argument("--hardware", default="h100", help="profile the plans are costed on")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--suites", nargs="+", default=list(TITLES), choices=list(TITLES))
+    parser.add_argument("--models", nargs="+", default=list(quality.MODELS),
+                        choices=list(quality.MODELS), help="quality suite: models")
+    parser.add_argument("--meshes", nargs="+", default=list(quality.MESHES),
+                        choices=list(quality.MESHES), help="quality suite: meshes")
+    parser.add_argument("--repeats", type=int, default=3, help="quality suite: timed steps")
     args = parser.parse_args()
     if args.quick:
         args.depths, args.d_model, args.seq, args.batch = [2, 4], 128, 32, 64
+        args.models, args.meshes = ["mlp-wide", "gpt-small"], ["2x4"]
     for suite in args.suites:
-        if suite == "planning":
+        if suite == "quality":
+            print(f"quality benchmark: models {args.models}, meshes {args.meshes}", flush=True)
+            result = quality.run(args.models, args.meshes, args.repeats, log=log)
+            table = quality.markdown(result)
+        elif suite == "planning":
             print(f"planning benchmark: depths {args.depths}, devices {args.devices}, "
                   f"d_model {args.d_model}, hardware {args.hardware}", flush=True)
             result = planning.run(args.depths, args.devices, args.d_model, args.seq,

@@ -48,12 +48,12 @@ def run(cases: list[tuple], log: Callable[[str], None] = print) -> dict[str, Any
     for name, config, mesh, hardware in cases:
         step, state, batch = models.gpt_abstract(**config)
         reference = autopar.plan(step, state, batch, mesh=mesh, hardware=hardware)
-        for kind, annotations in ANNOTATIONS.items():
+        for kind, rules in ANNOTATIONS.items():
             by_backend = {}
             for backend in BACKENDS:
                 t0 = time.perf_counter()
                 plan = autopar.plan(step, state, batch, mesh=mesh, search=backend,
-                                    hardware=hardware, annotations=annotations)
+                                    hardware=hardware, annotations=rules)
                 elapsed = time.perf_counter() - t0
                 by_backend[backend] = plan
                 forward = [o for o in plan.ops if not o.backward and "model" in o.partial_axes]

@@ -21,3 +21,19 @@ def test_propagation_benchmark_smoke():
     # DP under the same annotations is the reference of each group.
     assert all(r["over_dp"] == 1.0 for r in rows if r["backend"] == "dynamic_programming")
     assert "| tiny GPT | 2x4 | megatron | sharding_propagation |" in propagation.markdown(result)
+
+
+def test_quality_suite_smoke():
+    import models
+    from benchmarks import quality
+    tiny = {"tiny-mlp": (lambda: models.mlp_setup(batch=16, features=8, hidden=16, out=8), "mlp")}
+    result = quality.run(["tiny-mlp"], ["2x4"], repeats=1, log=lambda line: None, zoo=tiny)
+    rows = result["quality"]
+    assert {r["plan"] for r in rows} == {*quality.OURS, "data_parallel", "fsdp", "megatron",
+                                         "megatron_2d"}
+    for r in rows:
+        assert r["compiled_peak_memory_bytes"] > 0 and r["step_ms_simulated"] > 0
+    # Every baseline pins the inputs, and the search is exact here: ours is at least as good.
+    (headline,) = quality.headlines(rows)
+    assert headline["estimated_over_best"] <= 1 + 1e-9
+    assert "| tiny-mlp | 2x4 | dynamic_programming |" in quality.markdown(result)

@@ -73,7 +73,7 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
 def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
     """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`.
 
-    Axes that move to another dimension cost an all-to-all, axes dropped an all-gather; axes
+    Axes that move to another dimension cost an all-to-all, axes dropped one all-gather; axes
     added are free (each device keeps its slice). The time is linear in the tensor's size:
     collectives * latency + fraction * bytes / bandwidth, so these terms serve every tensor.
     """
@@ -88,11 +88,40 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
     if moved:
         n = group_size(mesh, moved)
         count, fraction = 1, (n - 1) / (2 * n) * share
+    # Dropped axes are one all-gather over all of them (as XLA emits it); its bytes equal those
+    # of gathering axis by axis.
     for a in dropped:
         n = mesh.axis_size(a)
         share *= n
-        count, fraction = count + 1, fraction + (n - 1) / n * share
+        fraction += (n - 1) / n * share
+    if group_size(mesh, dropped) > 1:
+        count += 1
     return count, fraction
+
+
+def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
+                        ) -> dict[str, float]:
+    """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
+    same steps as reshard_terms, in the units a compiled program's collectives are read in."""
+    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
+    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
+    held = tensor.nbytes / group_size(mesh, list(where_src))
+    out = {}
+    if any(a in where_dst and where_src[a] != where_dst[a] for a in where_src):
+        out["all-to-all"] = held
+    gathered = group_size(mesh, [a for a in where_src if a not in where_dst])
+    if gathered > 1:
+        out["all-gather"] = held * gathered
+    return out
+
+
+def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
+                   ) -> dict[str, float]:
+    """The all-reduce bytes (results on one device, per step) the op's partial sums need."""
+    if group_size(mesh, strategy.partial_axes) <= 1:
+        return {}
+    return {"all-reduce": op.repeat * sum(shard_bytes(tensors[t], s, mesh)
+                                          for t, s in zip(op.outputs, strategy.out_specs))}
 
 
 def reshard_time(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> float:

@@ -137,7 +137,7 @@ def argminmax(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 
 def along_axis_whole(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Cumulative ops and sort: the axis they run along stays whole."""
+    """Cumulative ops, sort and top_k: the axis they run along stays whole."""
     fs = _Factors()
     axis = params.get("axis", params.get("dimension", 0)) % len(outs[0])
     dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
@@ -343,7 +343,7 @@ RULES: dict[str, RuleFn] = {
     **{name: elementwise for name in ELEMENTWISE},
     **{name: reduction for name in REDUCTIONS},
     **{name: along_axis_whole for name in CUMULATIVE},
-    "argmax": argminmax, "argmin": argminmax, "sort": along_axis_whole,
+    "argmax": argminmax, "argmin": argminmax, "sort": along_axis_whole, "top_k": along_axis_whole,
     "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "reshape": reshape,
     "squeeze": squeeze, "expand_dims": expand_dims, "dot_general": dot_general,
     "conv_general_dilated": conv, "concatenate": concatenate, "slice": slice_rule, "pad": pad,
