@@ -159,19 +159,20 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     def name(t: int) -> str:
         return tensors[t].path or f"tensor {t}"
 
-    # A tensor resharded to one spec moves once, however many operators use it that way: the
-    # lowering's constraints for them are equal and XLA merges them. (The search charges every
-    # use: its objective can only be higher than the plan's cost.)
+    # The time of a resharding is charged to every operator that needs it, as the search does
+    # (an edge joins one producer and one user), so that the plan's cost is the search's
+    # objective. Its bytes are counted once per tensor and spec: the lowering's constraints for
+    # the users are equal and XLA merges them, and the bytes are compared with the compiled HLO.
     moved: set[tuple[int, Spec]] = set()
     for op, st in zip(graph.ops, decisions.ops):
         c, m = op_time(op, st, tensors, mesh, hw)
         count(op_collectives(op, st, tensors, mesh))
         for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
-            if not tensors[t].const and t in specs and specs[t] != need \
-                    and (t, need) not in moved:
-                moved.add((t, need))
+            if not tensors[t].const and t in specs and specs[t] != need:
                 move = op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
-                count(reshard_collectives(tensors[t], specs[t], need, mesh), op.repeat)
+                if (t, need) not in moved:
+                    moved.add((t, need))
+                    count(reshard_collectives(tensors[t], specs[t], need, mesh), op.repeat)
                 m += move
                 at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
                 moves.append(Redistribution(
