@@ -54,7 +54,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(quality.MODELS),
                         choices=list(quality.MODELS), help="quality suite: models")
     parser.add_argument("--meshes", nargs="+", default=list(quality.MESHES),
-                        choices=list(quality.MESHES), help="quality suite: meshes")
+                        help="quality suite: meshes like 2x4 (axes data, model, inner) over "
+                        "jax.devices(): real devices where there are any")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="quality suite: batch and width of every model times this")
     parser.add_argument("--repeats", type=int, default=3, help="quality suite: timed steps")
     args = parser.parse_args()
     if args.quick:
@@ -63,7 +66,8 @@ def main() -> None:
     for suite in args.suites:
         if suite == "quality":
             print(f"quality benchmark: models {args.models}, meshes {args.meshes}", flush=True)
-            result = quality.run(args.models, args.meshes, args.repeats, log=log)
+            result = quality.run(args.models, args.meshes, args.repeats, log=log,
+                                 scale=args.scale)
             table = quality.markdown(result)
         elif suite == "planning":
             print(f"planning benchmark: depths {args.depths}, devices {args.devices}, "

@@ -29,19 +29,33 @@ from autopar.rules.factors import to_partition_spec
 from autopar.trace import trace
 from benchmarks.baselines import KINDS, baseline_annotations
 
-# name -> (setup, rule family)
-MODELS: dict[str, tuple[Callable[[], tuple], str]] = {
-    "mlp-wide": (lambda: models.mlp_setup(batch=64, features=256, hidden=1024, out=256), "mlp"),
-    "gpt-small": (lambda: models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
-                                           layers=2), "transformer"),
-    "gpt-medium": (lambda: models.gpt_setup(batch=16, seq=32, vocab=512, d_model=128, heads=8,
-                                            layers=3), "transformer"),
-    "moe": (lambda: architectures.moe_setup(batch=8, seq=16, experts=8), "moe"),
-    "resnet": (lambda: architectures.resnet_setup(batch=16, size=16), "cnn"),
-    "encoder-decoder": (lambda: architectures.encdec_setup(batch=8, seq=16), "transformer"),
+# name -> (setup taking a scale factor for batch and width, rule family)
+MODELS: dict[str, tuple[Callable[[int], tuple], str]] = {
+    "mlp-wide": (lambda k: models.mlp_setup(batch=64 * k, features=256 * k, hidden=1024 * k,
+                                            out=256 * k), "mlp"),
+    "gpt-small": (lambda k: models.gpt_setup(batch=16 * k, seq=32, vocab=256, d_model=64 * k,
+                                             heads=4, layers=2), "transformer"),
+    "gpt-medium": (lambda k: models.gpt_setup(batch=16 * k, seq=32, vocab=512, d_model=128 * k,
+                                              heads=8, layers=3), "transformer"),
+    "moe": (lambda k: architectures.moe_setup(batch=8 * k, seq=16, experts=8, d_model=64 * k),
+            "moe"),
+    "resnet": (lambda k: architectures.resnet_setup(batch=16 * k, size=16,
+                                                    channels=(32 * k, 64 * k)), "cnn"),
+    "encoder-decoder": (lambda k: architectures.encdec_setup(batch=8 * k, seq=16,
+                                                             d_model=64 * k), "transformer"),
 }
 MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
           "2x2x2": {"data": 2, "model": 2, "inner": 2}}
+
+
+def parse_mesh(name: str) -> dict[str, int]:
+    """'2x4' -> {'data': 2, 'model': 4}: axes named data, model, inner (one to three)."""
+    if name in MESHES:
+        return MESHES[name]
+    sizes = [int(s) for s in name.split("x")]
+    return dict(zip(("data", "model", "inner"), sizes))
+
+
 OURS = ("dynamic_programming", "recursive_programming", "sharding_propagation")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -84,15 +98,17 @@ def measure(graph: Any, decisions: Any, plan: Any, mesh: Any, flat_args: list,
 
 
 def run(model_names: list[str], mesh_names: list[str], repeats: int = 3,
-        log: Callable[[str], None] = print, zoo: dict | None = None) -> dict[str, Any]:
-    """Every plan of every model in `model_names` (from `zoo`, default MODELS) on every mesh."""
+        log: Callable[[str], None] = print, zoo: dict | None = None,
+        scale: int = 1) -> dict[str, Any]:
+    """Every plan of every model in `model_names` (from `zoo`, default MODELS; batch and width
+    times `scale`) on every mesh ('2x4' and the like, over jax.devices())."""
     hw = get_profile(None)
     zoo = MODELS if zoo is None else zoo
     rows = []
     overhead = []
     for name in model_names:
         setup, family = zoo[name]
-        step, state, batch = setup()
+        step, state, batch = setup(scale)
         # Host copies: every plan's run gets fresh device arrays (its state is donated).
         flat = [np.asarray(x) for x in jax.tree_util.tree_leaves((state, batch))]
         t0 = time.perf_counter()
@@ -101,7 +117,7 @@ def run(model_names: list[str], mesh_names: list[str], repeats: int = 3,
         out_tree = jax.tree_util.tree_structure(out_shape)
         inputs = [(graph.tensors[t].path, graph.tensors[t].shape) for t in graph.inputs]
         for mesh_name in mesh_names:
-            axes = MESHES[mesh_name]
+            axes = parse_mesh(mesh_name)
             shape, mesh = mesh_shape(axes), make_mesh(axes)
             everything = tuple(a for a, s in axes.items() if s > 1)
             candidates = [(b, b, None) for b in OURS[:2]]

@@ -26,7 +26,8 @@ def test_propagation_benchmark_smoke():
 def test_quality_suite_smoke():
     import models
     from benchmarks import quality
-    tiny = {"tiny-mlp": (lambda: models.mlp_setup(batch=16, features=8, hidden=16, out=8), "mlp")}
+    tiny = {"tiny-mlp": (lambda k: models.mlp_setup(batch=16 * k, features=8, hidden=16, out=8),
+                         "mlp")}
     result = quality.run(["tiny-mlp"], ["2x4"], repeats=1, log=lambda line: None, zoo=tiny)
     rows = result["quality"]
     assert {r["plan"] for r in rows} == {*quality.OURS, "data_parallel", "fsdp", "megatron",
