@@ -126,6 +126,20 @@ class CostGraph:
             return self.node_names[node]
         return f"node {node}"
 
+    def local_view(self) -> tuple[list[np.ndarray], list[list[tuple[int, np.ndarray]]]]:
+        """Each node's own costs with its self-edges folded in, and its edges to other nodes
+        as (neighbour, matrix indexed [own strategy, neighbour's strategy]): what greedy
+        backends look at when they decide one node."""
+        own = [np.array(c, dtype=np.float64) for c in self.node_costs]
+        incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in own]
+        for u, v, m in self.edges:
+            if u == v:
+                own[u] = own[u] + np.diag(m)
+            else:
+                incident[u].append((v, m))
+                incident[v].append((u, m.T))
+        return own, incident
+
     def num_assignments(self) -> int:
         """Number of distinct assignments (product of strategy counts)."""
         return math.prod(int(c.shape[0]) for c in self.node_costs)

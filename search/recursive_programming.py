@@ -20,14 +20,7 @@ def solve_recursive_programming(graph: CostGraph, *, sweeps: int = 3) -> Solutio
     """Heaviest-first greedy choice, then up to `sweeps` rounds of coordinate descent."""
     start = time.perf_counter()
     n = graph.num_nodes()
-    incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    own = [np.array(c, dtype=np.float64) for c in graph.node_costs]
-    for u, v, m in graph.edges:
-        if u == v:
-            own[u] = own[u] + np.diag(m)
-        else:
-            incident[u].append((v, m))
-            incident[v].append((u, m.T))
+    own, incident = graph.local_view()
 
     def weight(u: int) -> float:
         finite = own[u][np.isfinite(own[u])]

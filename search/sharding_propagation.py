@@ -29,15 +29,10 @@ def solve_sharding_propagation(graph: CostGraph, *, seeds: Sequence[int],
     n = graph.num_nodes()
     if not len(seeds):
         raise ValueError("sharding propagation needs at least one seed node")
-    own = [np.array(c, dtype=np.float64) for c in graph.node_costs]
-    incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    own, incident = graph.local_view()
     feeds: list[set[int]] = [set() for _ in range(n)]  # node -> the nodes with an edge into it
-    for u, v, m in graph.edges:
-        if u == v:
-            own[u] = own[u] + np.diag(m)
-        else:
-            incident[u].append((v, m))
-            incident[v].append((u, m.T))
+    for u, v, _ in graph.edges:
+        if u != v:
             feeds[v].add(u)
     waiting_on = [len(f) for f in feeds]
     choice = np.full(n, -1, dtype=np.int64)
