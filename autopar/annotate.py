@@ -167,9 +167,10 @@ def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
             problems.append(f"{head}: {spec} uses axis {twice[0]!r} for two dimensions. Fix: "
                             "split each dimension over different axes.")
         seen.update(axes)
-        if list(axes) != sorted(axes, key=mesh.names.index):
+        in_order = tuple(sorted(axes, key=mesh.names.index))
+        if axes != in_order:
             problems.append(f"{head}: {spec} lists axes {axes} of dimension {k} out of mesh "
-                            f"order. Fix: write them as {tuple(sorted(axes, key=mesh.names.index))}.")
+                            f"order. Fix: write them as {in_order}.")
         axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
         ways = 1
         for a in axes:

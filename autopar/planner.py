@@ -124,7 +124,8 @@ def _data_parallel_choice(options: list[Strategy]) -> int:
     best, best_ways = 0, 1
     for j, s in enumerate(options):
         spec = s.out_specs[0] if s.out_specs else ()
-        if spec and spec[0] and not any(spec[1:]) and not s.partial_axes and s.parallel > best_ways:
+        batch_only = bool(spec) and bool(spec[0]) and not any(spec[1:]) and not s.partial_axes
+        if batch_only and s.parallel > best_ways:
             best, best_ways = j, s.parallel
     return best
 

@@ -35,7 +35,8 @@ TRANSFORMER_RULES = [
     (r"Embed_0/embedding", (M, None)),
 ]
 RULES = {
-    "mlp": [(r"Dense_0/kernel", (None, M)), (r"Dense_0/bias", (M,)), (r"Dense_1/kernel", (M, None))],
+    "mlp": [(r"Dense_0/kernel", (None, M)), (r"Dense_0/bias", (M,)),
+            (r"Dense_1/kernel", (M, None))],
     "transformer": TRANSFORMER_RULES,
     "moe": [(r"w_in", (M, None, None)), (r"w_out", (M, None, None))],
     "cnn": [(r"conv_in/kernel", (None, None, None, M)), (r"conv_in/bias", (M,)),
