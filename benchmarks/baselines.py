@@ -21,6 +21,8 @@ from typing import Sequence
 
 from jax.sharding import PartitionSpec as P
 
+from autopar.rules.factors import to_partition_spec
+
 M = "M"  # in a rule: the tensor-parallel axes
 
 # Per model family, (regex over the path, a role per dimension): the Megatron rules.
@@ -51,15 +53,11 @@ def _fits(size: int, axes: Axes, sizes: dict[str, int]) -> bool:
     return bool(axes) and size % math.prod(sizes[a] for a in axes) == 0
 
 
-def _entry(axes: Axes) -> str | tuple[str, ...] | None:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _batch_spec(shape: tuple[int, ...], axes: Axes, sizes: dict[str, int]) -> P:
     # The longest prefix of `axes` that divides the batch: what a data loader can produce.
     for k in range(len(axes), 0, -1):
         if shape and _fits(shape[0], axes[:k], sizes):
-            return P(_entry(axes[:k]))
+            return to_partition_spec((axes[:k],))
     return P()
 
 
@@ -69,7 +67,7 @@ def _rule_spec(path: str, shape: tuple[int, ...], rules: list, axes: Axes,
         if re.search(pattern, path) and len(roles) == len(shape):
             dims = [axes if role == M else () for role in roles]
             if all(not d or _fits(n, d, sizes) for n, d in zip(shape, dims)):
-                return P(*[_entry(d) for d in dims])
+                return to_partition_spec(tuple(dims))
             return P()  # the rule does not divide this tensor: an expert replicates it
     return P()
 
@@ -77,7 +75,7 @@ def _rule_spec(path: str, shape: tuple[int, ...], rules: list, axes: Axes,
 def _largest_dim_spec(shape: tuple[int, ...], axes: Axes, sizes: dict[str, int]) -> P:
     for k in sorted(range(len(shape)), key=lambda k: -shape[k]):
         if _fits(shape[k], axes, sizes):
-            return P(*[_entry(axes) if j == k else None for j in range(len(shape))])
+            return to_partition_spec(tuple(axes if j == k else () for j in range(len(shape))))
     return P()
 
 
