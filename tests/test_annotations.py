@@ -209,3 +209,28 @@ def test_device_count_keeps_meshes_the_annotations_fit():
                         annotations={r"params/Dense_0/kernel": P(None, "model")})
     assert "model" in dict(plan.mesh)
     assert plan.specs["state/0/params/Dense_0/kernel"] == P(None, "model")
+
+
+def test_shard_inside_a_scan_body():
+    """An annotation in a loop body fixes the body's planned operator; the loop runs whole,
+    under grad too."""
+    def step(w, x):
+        def loss_fn(v):
+            def body(h, _):
+                return autopar.shard(jnp.tanh(h @ v), P("data", "model")), None
+
+            h, _ = jax.lax.scan(body, x, None, length=3)
+            return jnp.mean(h ** 2)
+
+        loss, grad = jax.value_and_grad(loss_fn)(w)
+        return w - 0.1 * grad, loss
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (16, 16)) / 4
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+    reference = jax.jit(step)(w, x)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(MESH))
+    got = sharded(jnp.array(w), x)
+    np.testing.assert_allclose(got[1], reference[1], rtol=1e-5)
+    np.testing.assert_allclose(got[0], reference[0], rtol=1e-5, atol=1e-6)
+    marks = [o for o in sharded.plan(w, x).ops if o.primitive == "autopar_shard"]
+    assert marks and all(o.out_specs == ((("data",), ("model",)),) for o in marks)
