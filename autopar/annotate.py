@@ -25,7 +25,7 @@ from autopar.errors import AutoparError, collect_errors
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import Plan
-from autopar.rules.factors import Spec
+from autopar.rules.factors import Spec, from_partition_spec
 
 SHARD_PRIMITIVE = "autopar_shard"
 
@@ -155,8 +155,7 @@ def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
     found = len(problems)
     out: list[tuple[str, ...]] = []
     seen: set[str] = set()
-    for k, entry in enumerate(list(spec) + [None] * (len(shape) - len(spec))):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    for k, axes in enumerate(from_partition_spec(spec, len(shape))):
         unknown = [a for a in axes if a not in mesh.names]
         if unknown:
             problems.append(f"{head}: {spec} names axis {unknown[0]!r}, which the mesh does not "

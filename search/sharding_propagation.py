@@ -34,7 +34,6 @@ def solve_sharding_propagation(graph: CostGraph, *, seeds: Sequence[int],
     for u, v, _ in graph.edges:
         if u != v:
             feeds[v].add(u)
-    waiting_on = [len(f) for f in feeds]
     choice = np.full(n, -1, dtype=np.int64)
     ready: deque[int] = deque()
     found: deque[int] = deque()
@@ -45,13 +44,11 @@ def solve_sharding_propagation(graph: CostGraph, *, seeds: Sequence[int],
         for v, _ in incident[u]:
             if choice[v] >= 0:
                 continue
-            if u in feeds[v]:
-                feeds[v].discard(u)
-                waiting_on[v] -= 1
+            feeds[v].discard(u)
             if not seen[v]:
                 seen[v] = True
                 found.append(v)
-            if waiting_on[v] == 0:
+            if not feeds[v]:
                 ready.append(v)
 
     for s in seeds:

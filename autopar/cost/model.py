@@ -69,27 +69,32 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
     return compute * op.repeat, comm * op.repeat
 
 
+def _reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
+                   ) -> tuple[float, list[str], list[str]]:
+    """The share of the tensor one device holds under `src`, the axes that move to another
+    dimension (one all-to-all) and the axes dropped (one all-gather over all of them, as XLA
+    emits it); axes added are free (each device keeps its slice)."""
+    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
+    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
+    moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
+    dropped = [a for a in where_src if a not in where_dst]
+    return 1.0 / group_size(mesh, list(where_src)), moved, dropped
+
+
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
-    """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`.
-
-    Axes that move to another dimension cost an all-to-all, axes dropped one all-gather; axes
-    added are free (each device keeps its slice). The time is linear in the tensor's size:
-    collectives * latency + fraction * bytes / bandwidth, so these terms serve every tensor.
+    """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`
+    (see _reshard_steps). The time is linear in the tensor's size: collectives * latency +
+    fraction * bytes / bandwidth, so these terms serve every tensor.
     """
     if src == dst:
         return 0, 0.0
-    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
-    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
-    share = 1.0 / group_size(mesh, list(where_src))  # fraction of the tensor on one device
-    moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
-    dropped = [a for a in where_src if a not in where_dst]
+    share, moved, dropped = _reshard_steps(src, dst, mesh)
     count, fraction = 0, 0.0
     if moved:
         n = group_size(mesh, moved)
         count, fraction = 1, (n - 1) / (2 * n) * share
-    # Dropped axes are one all-gather over all of them (as XLA emits it); its bytes equal those
-    # of gathering axis by axis.
+    # The all-gather's bandwidth term equals that of gathering axis by axis.
     for a in dropped:
         n = mesh.axis_size(a)
         share *= n
@@ -102,16 +107,14 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
 def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
                         ) -> dict[str, float]:
     """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
-    same steps as reshard_terms, in the units a compiled program's collectives are read in."""
-    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
-    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
-    held = tensor.nbytes / group_size(mesh, list(where_src))
+    steps of reshard_terms, in the units a compiled program's collectives are read in."""
+    share, moved, dropped = _reshard_steps(src, dst, mesh)
+    held = tensor.nbytes * share
     out = {}
-    if any(a in where_dst and where_src[a] != where_dst[a] for a in where_src):
+    if moved:
         out["all-to-all"] = held
-    gathered = group_size(mesh, [a for a in where_src if a not in where_dst])
-    if gathered > 1:
-        out["all-gather"] = held * gathered
+    if group_size(mesh, dropped) > 1:
+        out["all-gather"] = held * group_size(mesh, dropped)
     return out
 
 
