@@ -13,6 +13,7 @@ from autopar.cost.hardware import Hardware, get_profile
 from autopar.errors import AutoparError, collect_errors
 from autopar.ir import OpGraph
 from autopar.lower import jit_step
+from autopar.memory import layer_steps, parse_bytes
 from autopar.mesh import MeshShape, make_mesh, mesh_shape
 from autopar.plan import Plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
@@ -21,7 +22,8 @@ from autopar.trace import trace
 
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
-         hardware: str | Hardware | None = None, annotations: Annotations = None) -> Plan:
+         hardware: str | Hardware | None = None, annotations: Annotations = None,
+         memory_limit: int | str | None = None) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -29,11 +31,33 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     jax.devices()): for a count, every mesh shape is tried and the cheapest plan kept.
     `annotations` fixes the sharding of inputs: a dict of regex over input paths ->
     PartitionSpec (first match wins), or a saved Plan whose input specs seed the search.
+    `memory_limit` (bytes, or a string like '2GiB') is what one device may hold; by default the
+    device's memory (the runtime's figure for real devices, else the hardware profile's). The
+    plan is the fastest found that fits, sharding optimizer state, gradients, parameters and
+    activations and recomputing layers as needed; if none fits, an AutoparError says how much
+    the leanest plan needs.
     """
     _check_backend(search)
     check_annotations_type(annotations)
-    return plan_step(fn, args, _mesh_or_count(mesh), get_profile(hardware), search,
-                     annotations)[2]
+    hw = get_profile(hardware)
+    mesh = _mesh_or_count(mesh)
+    return plan_step(fn, args, mesh, hw, search, annotations,
+                     resolve_memory_limit(memory_limit, hw, mesh))[2]
+
+
+def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
+                         mesh: Any = None) -> int:
+    """Bytes per device: the given limit, else the runtime's memory of the mesh's first
+    device, else the hardware profile's."""
+    if memory_limit is not None:
+        return parse_bytes(memory_limit)
+    device = None
+    if isinstance(mesh, Mesh):
+        device = mesh.devices.flat[0]
+    elif isinstance(mesh, int):
+        device = jax.devices()[0]
+    stats = device.memory_stats() if device is not None else None
+    return int((stats or {}).get("bytes_limit") or hw.memory_bytes)
 
 
 def _mesh_or_count(mesh: Any) -> MeshShape | int:
@@ -49,7 +73,8 @@ def _mesh_or_count(mesh: Any) -> MeshShape | int:
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
                   hardware: str | Hardware | None = None, plan: Plan | None = None,
-                  annotations: Annotations = None) -> Any:
+                  annotations: Annotations = None, memory_limit: int | str | None = None
+                  ) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
@@ -57,11 +82,11 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     `mesh` may also be a device count or "auto" (all devices): the mesh shape is then chosen
     with the plan, as the cheapest of every arrangement of those devices.
     `annotations` fixes shardings the search must keep (see `plan`); `autopar.shard(x, spec)`
-    in the step does the same for an intermediate value.
+    in the step does the same for an intermediate value. `memory_limit`: see `plan`.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
-                                 plan=plan, annotations=annotations)
+                                 plan=plan, annotations=annotations, memory_limit=memory_limit)
     if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
         raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
@@ -73,7 +98,9 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
         raise AutoparError("auto_parallel got both plan= (apply a saved plan, no search) and "
                            "annotations= (seeds for a search). Fix: pass one; to seed a search "
                            "with a saved plan, pass it as annotations=plan.")
-    return AutoParallel(fn, mesh, search, get_profile(hardware), plan, annotations)
+    hw = get_profile(hardware)
+    return AutoParallel(fn, mesh, search, hw, plan, annotations,
+                        resolve_memory_limit(memory_limit, hw, mesh))
 
 
 def _check_backend(search: str) -> None:
@@ -85,9 +112,10 @@ class AutoParallel:
     """A step function with its plans and executables, one per input signature."""
 
     def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
-                 saved: Plan | None, annotations: Annotations = None) -> None:
+                 saved: Plan | None, annotations: Annotations = None,
+                 memory_limit: int | None = None) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
-        self.annotations = annotations
+        self.annotations, self.memory_limit = annotations, memory_limit
         self.requested = mesh if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
         if saved is not None and not isinstance(mesh, Mesh):
             self.requested = mesh_shape(dict(saved.mesh))
@@ -106,7 +134,7 @@ class AutoParallel:
             shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
             if self.saved is None:
                 graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
-                                                self.annotations)
+                                                self.annotations, self.memory_limit)
             else:
                 graph, in_tree, out_shape = trace(self.fn, args)
                 decisions = decisions_from_plan(graph, self.saved, shape)
@@ -179,5 +207,9 @@ def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisi
         used = {a for spec in (*d.in_specs, *d.out_specs) for axes in spec for a in axes}
         ops.append(Strategy((), d.in_specs, d.out_specs, d.partial_axes,
                             math.prod(shape.axis_size(a) for a in used)))
+    layers = layer_steps(graph)
+    problems += [f"the plan recomputes layer {name!r}, which this step does not have; plan again"
+                 for name in saved.recompute if name not in layers]
     collect_errors(problems, f"the saved plan does not fit this step on mesh {shape}:")
-    return Decisions(inputs, ops)
+    recompute = frozenset(i for name in saved.recompute for i in layers[name])
+    return Decisions(inputs, ops, recompute)

@@ -4,6 +4,12 @@ Input shardings alone leave XLA's propagation free to pick other strategies for 
 intermediates, so every operand whose required sharding differs from how it was produced, and
 every result, gets a `with_sharding_constraint`. The interpreter binds each equation's primitive
 as `jax.core.eval_jaxpr` does, inserting the constraints between equations.
+
+Recomputed steps (`Decisions.recompute`, forward equations of layers the plan rematerialises)
+run twice: in the forward pass as usual, and again when the backward pass first reads one of
+their results. The second run reads its inputs through an `optimization_barrier` that also holds
+a value of the backward pass, as `jax.checkpoint` does: XLA can neither merge the two runs nor
+hoist the second one into the forward pass, so the forward results die early.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.ir import OpGraph
+from autopar.memory import backward_steps, layer_steps
 from autopar.planner import Decisions
 from autopar.rules.factors import Spec, to_partition_spec
 
@@ -22,38 +29,75 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
     """A function of the flat inputs that computes the flat outputs under the plan."""
     produced = decisions.tensor_specs(graph)
     shardings: dict[Spec, NamedSharding] = {}
+    recompute = decisions.recompute
+    backward = backward_steps(graph) if recompute else set()
+    made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
+    layer_of = {i: name for name, steps in layer_steps(graph).items() for i in steps
+                if i in recompute}
 
     def constrain(value: Any, spec: Spec) -> Any:
         if spec not in shardings:
             shardings[spec] = NamedSharding(mesh, to_partition_spec(spec))
         return jax.lax.with_sharding_constraint(value, shardings[spec])
 
+    def execute(i: int, read: Callable[[int], Any]) -> list[Any]:
+        """Run program step i on the values `read` gives; results constrained as planned."""
+        step = graph.program[i]
+        values = []
+        for t, need in zip(step.inputs, step.requires):
+            value = read(t)
+            if need is not None:
+                spec = decisions.ops[need[0]].in_specs[need[1]]
+                if spec != produced.get(t):
+                    value = constrain(value, spec)
+            values.append(value)
+        if step.eqn is None:
+            results = values
+        else:
+            eqn = step.eqn
+            params = eqn.primitive.get_bind_params(eqn.params)
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*values, **params)
+            results = out if eqn.primitive.multiple_results else [out]
+        return [constrain(v, produced[t]) if produced.get(t) else v
+                for t, v in zip(step.outputs, results)]
+
     def run(*flat_args: Any) -> list[Any]:
         env: dict[int, Any] = dict(zip(graph.inputs, flat_args))
+        again: dict[int, Any] = {}  # values of the recomputed steps' second run
+        held: dict[int, Any] = {}  # their outside inputs, read through the barrier
 
         def read(t: int) -> Any:
             return env[t] if t in env else graph.const_values[t]
 
-        for step in graph.program:
-            values = []
-            for t, need in zip(step.inputs, step.requires):
-                value = read(t)
-                if need is not None:
-                    spec = decisions.ops[need[0]].in_specs[need[1]]
-                    if spec != produced.get(t):
-                        value = constrain(value, spec)
-                values.append(value)
-            if step.eqn is None:
-                results = values
-            else:
-                eqn = step.eqn
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with eqn.ctx.manager:
-                    out = eqn.primitive.bind(*values, **params)
-                results = out if eqn.primitive.multiple_results else [out]
-            for t, value in zip(step.outputs, results):
-                spec = produced.get(t)
-                env[t] = constrain(value, spec) if spec is not None and spec else value
+        def reread(t: int, anchor: Any, layer: str | None = None) -> Any:
+            """A value for a recomputation (of `layer`) or for the backward pass: a result of a
+            recomputed step of that layer is recomputed (once); any other value, such as the
+            layer's input from the layer before, is the forward pass's, read after `anchor`."""
+            i = made_by.get(t)
+            if i not in recompute or layer not in (None, layer_of[i]):
+                if t not in env:  # a constant
+                    return read(t)
+                if t not in held:
+                    held[t] = _after(jax.lax.optimization_barrier((env[t], anchor))[0], anchor)
+                return held[t]
+            if t not in again:
+                again.update(zip(graph.program[i].outputs,
+                                 execute(i, lambda u: reread(u, anchor, layer_of[i]))))
+            return again[t]
+
+        latest: Any = None  # the backward pass's latest value: what a recomputation waits for
+        for i, step in enumerate(graph.program):
+            reader = read
+            if i in backward and any(made_by.get(t) in recompute for t in step.inputs):
+                anchor = next((env[t] for t in step.inputs if made_by.get(t) in backward),
+                              latest)
+                reader = (lambda t, a=anchor: reread(t, a) if made_by.get(t) in recompute
+                          else read(t))
+            results = execute(i, reader)
+            env.update(zip(step.outputs, results))
+            if i in backward and results:
+                latest = results[0]
         return [constrain(read(t), s) for t, s in zip(graph.outputs, out_specs)]
 
     return run
@@ -71,3 +115,13 @@ def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
         out_shardings=[named(s) for s in out_specs],
         donate_argnums=tuple(sorted(set(graph.state_pairs.values()))),
     )
+
+
+def _after(value: Any, anchor: Any) -> Any:
+    """`value`, made to depend on `anchor` through arithmetic XLA keeps (a float times zero may
+    be NaN, so it is not folded): XLA's CPU compiler drops optimization barriers before it
+    schedules, and without this it would recompute in the forward pass."""
+    if anchor is None or not jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
+        return value
+    zero = (jax.numpy.ravel(anchor)[0] * 0).astype(value.dtype)
+    return value + zero

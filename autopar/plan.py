@@ -88,6 +88,10 @@ class Plan:
     redistributions: tuple[Redistribution, ...] = ()
     in_tree: Any = field(default=None, compare=False, hash=False, repr=False)
     out_tree: Any = field(default=None, compare=False, hash=False, repr=False)
+    # the memory estimate per device (autopar.memory): peak_bytes, at_peak by kind, where,
+    # the largest buffers then, and the limit planned for
+    memory: dict[str, Any] = field(hash=False, default_factory=dict)
+    recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -116,6 +120,16 @@ class Plan:
         lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, communication "
                      f"{c['communication_s'] * 1e3:.3f} ms, total {c['total_s'] * 1e3:.3f} ms; "
                      f"peak memory {c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
+        if self.memory:
+            m = self.memory
+            kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"
+                              for k, v in m["at_peak"].items() if v)
+            allowed = (f" of {m['limit_bytes'] / 2**20:.1f} MiB allowed"
+                       if m.get("limit_bytes") else "")
+            lines.append(f"memory at its peak{allowed} ({m['where']}): {kinds} MiB")
+        if self.recompute:
+            lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
+                         f" ms more compute): {', '.join(self.recompute)}")
         at = [r for r in self.redistributions if r.annotated]
         if at:
             lines.append(f"redistributions at annotations ({len(at)}):")
@@ -141,6 +155,8 @@ class Plan:
             "cost": self.cost,
             "search_stats": self.search_stats,
             "redistributions": [_redistribution_json(r) for r in self.redistributions],
+            "memory": self.memory,
+            "recompute": list(self.recompute),
         }
         return json.dumps(body, indent=indent)
 
@@ -162,7 +178,8 @@ class Plan:
                 ops=tuple(_op_from(o) for o in body.get("ops", [])),
                 cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),
                 redistributions=tuple(_redistribution_from(r)
-                                      for r in body.get("redistributions", [])))
+                                      for r in body.get("redistributions", [])),
+                memory=body.get("memory", {}), recompute=tuple(body.get("recompute", [])))
         except (KeyError, TypeError, ValueError) as e:
             raise AutoparError(f"not a valid autopar plan JSON ({e!r}). Fix: load a file written "
                                "by Plan.save or Plan.to_json.") from e

@@ -1,6 +1,7 @@
 """Planning: trace, build the problem, search, and assemble the Plan with its costs."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -10,9 +11,11 @@ import numpy as np
 
 import search
 from autopar.annotate import Annotations, resolve as resolve_annotations
+from autopar.budget import plan_within
 from autopar.cost.hardware import Hardware
 from autopar.cost.model import (op_collectives, op_time, reshard_collectives, reshard_time,
                                 shard_bytes)
+from autopar.memory import memory_json, plan_memory, recomputed_layers, recomputed_ops
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
@@ -33,6 +36,7 @@ class Decisions:
 
     inputs: list[Spec]  # per graph input
     ops: list[Strategy]  # per op id
+    recompute: frozenset[int] = frozenset()  # forward program steps the backward recomputes
 
     def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
         """The sharding each tensor has when produced."""
@@ -43,27 +47,32 @@ class Decisions:
 
 
 def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
-          pinned: dict[int, Spec] | None = None) -> tuple[Decisions, dict]:
+          pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0
+          ) -> tuple[Decisions, dict]:
     """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
-    (tensor id -> spec: annotated inputs and `autopar.shard` results)."""
+    (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
+    device charged `memory_weight` seconds (see build_problem)."""
     if backend not in BACKENDS:
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     units = make_units(graph)
     if backend == "recursive_programming":
-        problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units)
+        problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
+                                                   memory_weight)
         space = "one axis at a time"
     elif backend == "sharding_propagation":
-        problem, solution = _propagate(graph, mesh, hw, pinned or {}, units)
+        problem, solution = _propagate(graph, mesh, hw, pinned or {}, units, memory_weight)
         space = "propagation from the annotations"
     else:
-        problem = build_problem(graph, mesh, hw, pinned, units=units)
+        problem = build_problem(graph, mesh, hw, pinned, units=units,
+                                memory_weight=memory_weight)
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
         else:
-            problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem)
+            problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem,
+                                                          memory_weight)
     t1 = time.perf_counter()
     strategies = problem.decode(solution.choice)
     by_tensor = {}
@@ -81,7 +90,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
 
 
 def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                       pinned: dict[int, Spec] | None, full: Problem
+                       pinned: dict[int, Spec] | None, full: Problem, memory_weight: float
                        ) -> tuple[Problem, search.Solution, str]:
     """The cheaper of two answers when exact tables for the full space do not fit.
 
@@ -92,7 +101,8 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     from optimal it can be.
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
-    rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned, full.units)
+    rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned, full.units,
+                                                       memory_weight)
     candidates = [(full, bounded, "full"), (rounds_problem, rounds_answer, "one axis at a time")]
     problem, best, space = min(candidates, key=lambda c: c[1].cost)
     bound = bounded.stats["lower_bound"]
@@ -103,14 +113,14 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
 
 
 def _propagate(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec],
-               units: list) -> tuple[Problem, search.Solution]:
+               units: list, memory_weight: float) -> tuple[Problem, search.Solution]:
     """Sharding propagation from the pinned tensors; unreached nodes get data parallel."""
     if not pinned:
         raise AutoparError(
             "search='sharding_propagation' spreads annotations, and this step has none. Fix: "
             "pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), call "
             "autopar.shard(x, P(...)) in the model, or use search='dynamic_programming'.")
-    problem = build_problem(graph, mesh, hw, pinned, units=units)
+    problem = build_problem(graph, mesh, hw, pinned, units=units, memory_weight=memory_weight)
     seeds = sorted({problem.node_of[u] for u, unit in enumerate(problem.units)
                     if unit.outputs and unit.outputs[0] in pinned})
     defaults = [_data_parallel_choice(problem.choices[r]) for r in problem.roots]
@@ -140,10 +150,11 @@ def _plain(v: Any) -> Any:
 
 def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, backend: str,
              stats: dict, in_tree: Any = None, out_tree: Any = None,
-             pinned: dict[int, Spec] | None = None) -> Plan:
+             pinned: dict[int, Spec] | None = None, memory_limit: int | None = None) -> Plan:
     """The Plan of `decisions`: specs, per-op costs, redistributions and totals per device.
 
-    `pinned` (the annotated tensors) marks the redistributions at annotations.
+    `pinned` (the annotated tensors) marks the redistributions at annotations; `memory_limit`
+    is recorded with the memory estimate.
     """
     tensors = graph.tensors
     pinned = pinned or {}
@@ -165,8 +176,13 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     # objective. Its bytes are counted once per tensor and spec: the lowering's constraints for
     # the users are equal and XLA merges them, and the bytes are compared with the compiled HLO.
     moved: set[tuple[int, Spec]] = set()
+    recomputed = recomputed_ops(graph, decisions.recompute)
+    recompute_s = 0.0
     for op, st in zip(graph.ops, decisions.ops):
         c, m = op_time(op, st, tensors, mesh, hw)
+        if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
+            recompute_s += c
+            c *= 2
         count(op_collectives(op, st, tensors, mesh))
         for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
             if not tensors[t].const and t in specs and specs[t] != need:
@@ -205,49 +221,25 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
                                 tensors[t].dtype, s, int(shard_bytes(tensors[t], s, mesh)))
                      for t, s in zip(ids, spec_list))
 
+    memory = plan_memory(graph, decisions, mesh)
     cost = {"compute_s": compute, "communication_s": comm, "total_s": compute + comm,
-            "peak_memory_bytes": peak_memory(graph, specs, mesh),
+            "recompute_s": recompute_s, "peak_memory_bytes": memory.peak_bytes,
             **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(collective_bytes.items())}}
     return Plan(tuple(zip(mesh.names, mesh.sizes)), backend, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
                 tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
-                tuple(moves), in_tree, out_tree)
-
-
-def peak_memory(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape) -> int:
-    """Bytes per device at the fullest point of the step, walking the ops in program order.
-
-    The inputs stay live throughout; an intermediate lives from its producer to its last
-    consumer. (A first estimate: XLA's scheduling and fusion move the true figure.)
-    """
-    def size(t: int) -> float:
-        tensor = graph.tensors[t]
-        return 0.0 if tensor.const else shard_bytes(tensor, specs.get(t, replicated(len(tensor.shape))), mesh)
-
-    last_use: dict[int, int] = {}
-    for op in graph.ops:
-        for t in op.inputs:
-            last_use[t] = op.id
-    keep = set(graph.inputs) | set(graph.outputs)
-    live = sum(size(t) for t in graph.inputs)
-    peak = live
-    for op in graph.ops:
-        live += sum(size(t) for t in op.outputs)
-        peak = max(peak, live)
-        for t in set(op.inputs) | set(op.outputs):
-            if t not in keep and last_use.get(t, op.id) <= op.id:
-                live -= size(t)
-    return int(peak)
+                tuple(moves), in_tree, out_tree, memory_json(memory, memory_limit),
+                recomputed_layers(graph, decisions.recompute))
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
-              backend: str, annotations: Annotations = None
+              backend: str, annotations: Annotations = None, memory_limit: int | None = None
               ) -> tuple[OpGraph, Decisions, Plan]:
     """Trace, search and assemble: the whole planning pipeline for one call signature.
 
     `mesh` given as a device count tries every mesh shape of that many devices
     (`candidate_meshes`) on which the annotations apply, and keeps the plan of least estimated
-    cost.
+    cost. With `memory_limit` (bytes per device), only plans that fit it (`budget`).
     """
     t0 = time.perf_counter()
     graph, in_tree, out_shape = trace(fn, args)
@@ -255,21 +247,31 @@ def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hard
     out_tree = jax.tree_util.tree_structure(out_shape)
     shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
     best = None
-    first_error = None
+    first_error = fit_error = None
     for shape in shapes:
         try:
             pinned = resolve_annotations(graph, shape, annotations)
         except AutoparError as e:  # a candidate mesh without the annotated axes
             first_error = first_error or e
             continue
-        decisions, stats = solve(graph, shape, hw, backend, pinned)
-        stats["trace_s"] = t1 - t0
-        plan = assemble(graph, decisions, shape, hw, backend, stats, in_tree, out_tree, pinned)
+
+        def attempt(price: float, recompute: frozenset, shape: MeshShape = shape,
+                    pinned: dict[int, Spec] = pinned) -> tuple[Decisions, Plan]:
+            decisions, stats = solve(graph, shape, hw, backend, pinned, price)
+            decisions = dataclasses.replace(decisions, recompute=recompute)
+            stats["trace_s"] = t1 - t0
+            return decisions, assemble(graph, decisions, shape, hw, backend, stats, in_tree,
+                                       out_tree, pinned, memory_limit)
+
+        try:
+            decisions, plan = plan_within(attempt, graph, shape, memory_limit)
+        except AutoparError as e:  # nothing fits this mesh: the error to report
+            fit_error = fit_error or e
+            continue
         if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
             best = (decisions, plan)
     if best is None:
-        assert first_error is not None
-        raise first_error
+        raise fit_error or first_error
     return graph, best[0], best[1]
 
 

@@ -16,13 +16,14 @@ import numpy as np
 
 import search
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_time, reshard_terms
+from autopar.cost.model import op_time, reshard_terms, shard_bytes
 from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
                            replicated_rule, rule_for)
 from autopar.rules.factors import strategy
 from autopar.layers import repeated_ties
+from autopar.memory import roles
 
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).
@@ -117,7 +118,8 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
-                  tie_layers: bool = True, units: list[Unit] | None = None) -> Problem:
+                  tie_layers: bool = True, units: list[Unit] | None = None,
+                  memory_weight: float = 0.0) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of tensors by id (inputs, and results of `autopar.shard`): the
@@ -126,6 +128,8 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     made for: a round of the device recursion adds one axis to the rounds before.
     `tie_layers` gives every instance of a repeated layer the strategies of the first one.
     `units` (from make_units) saves computing the rules again when one graph is planned twice.
+    `memory_weight` (seconds per byte) adds to each strategy the bytes per device it keeps of
+    the step's inputs, activations and gradients, so that the search trades time for memory.
     """
     units = make_units(graph) if units is None else units
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
@@ -140,6 +144,9 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         if unit.op is not None:
             node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph.tensors, mesh, hw,
                                                   op_costs)
+
+    if memory_weight > 0:
+        _charge_memory(graph, units, choices, node_of, mesh, memory_weight, node_costs)
 
     edges: list[tuple[int, int, np.ndarray]] = []
 
@@ -193,6 +200,8 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     choices: list[list[Strategy]] = []
     roots: list[int] = []
     followed: dict[tuple, Strategy] = {}  # operators of equal rules follow alike
+    state_shapes = {tuple(sorted(graph.tensors[graph.inputs[i]].shape))
+                    for i in graph.state_pairs.values()}
     for u, unit in enumerate(units):
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
@@ -217,11 +226,20 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
         else:
             node_of.append(len(roots))
             roots.append(u)
-            options = enumerate_strategies(unit.rule, mesh)
+            options = enumerate_strategies(unit.rule, mesh,
+                                           scatter=_weight_gradient(unit, graph, state_shapes))
             if extend is not None and u in extend.assignments:
                 options = extend.filter(options, extend.assignments[u]) or options[:1]
             choices.append(options)
     return node_of, choices, roots
+
+
+def _weight_gradient(unit: Unit, graph: OpGraph, state_shapes: set) -> bool:
+    """A backward product of a parameter's shape (maybe transposed): a weight gradient, the
+    one operator whose partial sums are worth reduce-scattering (into a sharded optimizer
+    state). Offering the variant to every product would widen the search for little."""
+    return (unit.op is not None and unit.op.backward and len(unit.outputs) == 1
+            and tuple(sorted(graph.tensors[unit.outputs[0]].shape)) in state_shapes)
 
 
 def pinned_strategy(rule: Rule, mesh: MeshShape, spec: Spec) -> Strategy:
@@ -279,3 +297,16 @@ def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, .
             memo[key] = compute + comm
         out[j] = memo[key]
     return out
+
+
+def _charge_memory(graph: OpGraph, units: list[Unit], choices: list[list[Strategy]],
+                   node_of: list[int], mesh: MeshShape, weight: float,
+                   node_costs: list[np.ndarray]) -> None:
+    """Add `weight` times the bytes per device of the tensors that make up most of a training
+    step's peak (inputs, activations, gradients: `memory.roles`) to their producers' nodes."""
+    kept = roles(graph)
+    for u, unit in enumerate(units):
+        for k, t in enumerate(unit.outputs):
+            if t in kept and not graph.tensors[t].const:
+                node_costs[node_of[u]] += weight * np.array(
+                    [shard_bytes(graph.tensors[t], s.out_specs[k], mesh) for s in choices[u]])

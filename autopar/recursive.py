@@ -38,8 +38,8 @@ def solve_round(problem: Problem) -> tuple[search.Solution, bool]:
 
 
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                    pinned: dict[int, Spec] | None, units: list[Unit] | None = None
-                    ) -> tuple[Problem, search.Solution, dict]:
+                    pinned: dict[int, Spec] | None, units: list[Unit] | None = None,
+                    memory_weight: float = 0.0) -> tuple[Problem, search.Solution, dict]:
     """Plan `graph` axis by axis; returns the last round's problem and solution, and stats."""
     units = make_units(graph) if units is None else units
     order = axis_order(mesh)
@@ -56,7 +56,8 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         sub_pins = None if pinned is None else {
             t: tuple(tuple(a for a in axes if a in names) for axes in spec)
             for t, spec in pinned.items()}
-        problem = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
+        problem = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units,
+                                memory_weight=memory_weight)
         solution, exact = solve_round(problem)
         exact_rounds += exact
         strategies = problem.decode(solution.choice)

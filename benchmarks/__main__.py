@@ -3,7 +3,8 @@
 Suites: `quality` (our plans against hand-written ones on small models and 8 simulated devices,
 with what XLA compiled of each), `propagation` (annotations spread by sharding_propagation
 against the search) and `planning` (search time and quality at depth and scale, overhead
-against jax.jit).
+against jax.jit) and `memory` (plans for shrinking memory budgets, predicted against compiled
+memory).
 Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
 Timings are of this machine; compare them as ratios within one run.
 """
@@ -21,10 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import planning, propagation, quality  # noqa: E402
+from benchmarks import memory, planning, propagation, quality  # noqa: E402
 
 TITLES = {"quality": "Plan quality and cost-model fidelity",
-          "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark"}
+          "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark",
+          "memory": "Memory-aware planning benchmark"}
 
 
 def machine() -> dict[str, str]:
@@ -75,6 +77,12 @@ def main() -> None:
             result = planning.run(args.depths, args.devices, args.d_model, args.seq,
                                   args.batch, args.dp_max_layers, args.hardware, log=log)
             table = planning.markdown(result)
+        elif suite == "memory":
+            print("memory benchmark", flush=True)
+            cases = {"mlp": memory.CASES["mlp"]} if args.quick else memory.CASES
+            fractions = (1.0, 0.25, 0.03) if args.quick else memory.FRACTIONS
+            result = memory.run(cases, {"data": 8}, fractions, log=log)
+            table = memory.markdown(result)
         else:
             print("sharding propagation benchmark", flush=True)
             cases = propagation.QUICK_CASES if args.quick else propagation.CASES

@@ -38,3 +38,15 @@ def test_quality_suite_smoke():
     (headline,) = quality.headlines(rows)
     assert headline["estimated_over_best"] <= 1 + 1e-9
     assert "| tiny-mlp | 2x4 | dynamic_programming |" in quality.markdown(result)
+
+
+def test_memory_suite_smoke():
+    import models
+    from benchmarks import memory
+    tiny = {"tiny-mlp": lambda: models.mlp_setup(batch=16, features=32, hidden=64, out=32)}
+    result = memory.run(tiny, {"data": 8}, (1.0, 0.3, 0.001), log=lambda line: None)
+    free, tight, impossible = result["memory"]
+    assert free["predicted_bytes"] <= free["limit_bytes"]
+    assert "error" not in tight and tight["predicted_bytes"] <= tight["limit_bytes"]
+    assert "no plan fits" in impossible["error"]
+    assert "| tiny-mlp | 0.3 |" in memory.markdown(result)

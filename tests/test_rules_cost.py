@@ -1,9 +1,12 @@
 """Sharding rules in factor notation, and the cost model's formulas."""
+import math
+
 import pytest
 
 from autopar.cost import PROFILES
-from autopar.cost.model import all_gather, all_reduce, all_to_all, reshard_time
-from autopar.ir import Tensor
+from autopar.cost.model import (all_gather, all_reduce, all_to_all, op_collectives, op_time,
+                                reshard_time)
+from autopar.ir import Op, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import enumerate_strategies, follow, rule_for, to_partition_spec
 from jax.sharding import PartitionSpec as P
@@ -22,9 +25,29 @@ def test_dot_general_factors_and_partial_sums():
     strategies = enumerate_strategies(rule, MESH)
     # 3 factors, 2 axes: each axis on one of them or none, all sizes divisible
     assert len(strategies) == 16
+    # and for each of the 7 with partial sums, the variant that reduce-scatters them
+    assert len(enumerate_strategies(rule, MESH, scatter=True)) == 16 + 7
     megatron_row = [s for s in strategies if dict(s.assignment) == {i: ("model",), b: ("data",)}]
     assert megatron_row and megatron_row[0].partial_axes == ("model",)
     assert to_partition_spec(megatron_row[0].in_specs[1]) == P("model")
+
+
+def test_reduce_scatter_variant_moves_half_the_bytes():
+    rule = rule_for("dot_general", [(8, 16), (16, 32)], [(8, 32)],
+                    {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    b, i = rule.operands[0]
+    tensors = [Tensor(0, (8, 16), "float32"), Tensor(1, (16, 32), "float32"),
+               Tensor(2, (8, 32), "float32")]
+    op = Op(0, "dot_general", (0, 1), (2,), {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    reduce, scatter = [s for s in enumerate_strategies(rule, MESH, scatter=True)
+                       if dict(s.assignment) == {i: ("data",)}]
+    assert reduce.out_specs[0] == ((), ()) and scatter.out_specs[0] == (("data",), ())
+    hw = PROFILES["cpu"]
+    ar = op_time(op, reduce, tensors, MESH, hw)[1] - hw.link_latency
+    rs = op_time(op, scatter, tensors, MESH, hw)[1] - hw.link_latency
+    assert math.isclose(rs, ar / 2)
+    assert op_collectives(op, scatter, tensors, MESH) == {"reduce-scatter": 8 * 32 * 4 / 2}
+    assert "reduce-scatter over ('data',)" in scatter.describe()
 
 
 def test_indivisible_dimension_never_split():

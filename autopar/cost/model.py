@@ -29,6 +29,11 @@ def all_gather(nbytes: float, n: int, hw: Hardware) -> float:
     return 0.0 if n <= 1 else hw.link_latency + (n - 1) / n * nbytes / hw.link_bandwidth
 
 
+def reduce_scatter(nbytes: float, n: int, hw: Hardware) -> float:
+    """nbytes: the partial buffer each device holds before the reduction."""
+    return all_gather(nbytes, n, hw)
+
+
 def all_to_all(nbytes: float, n: int, hw: Hardware) -> float:
     return 0.0 if n <= 1 else hw.link_latency + (n - 1) / (2 * n) * nbytes / hw.link_bandwidth
 
@@ -62,11 +67,20 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
     moved += sum(shard_bytes(tensors[t], s, mesh) for t, s in zip(op.outputs, strategy.out_specs))
     compute = max(flops / hw.flops, moved / hw.memory_bandwidth)
     comm = 0.0
-    if strategy.partial_axes:
-        n = group_size(mesh, strategy.partial_axes)
-        comm = sum(all_reduce(shard_bytes(tensors[t], s, mesh), n, hw)
-                   for t, s in zip(op.outputs, strategy.out_specs))
+    for t, s in zip(op.outputs, strategy.out_specs):
+        scatter, reduce = partial_split(strategy, s)
+        held = shard_bytes(tensors[t], s, mesh)
+        comm += (reduce_scatter(held * group_size(mesh, scatter), group_size(mesh, scatter), hw)
+                 + all_reduce(held, group_size(mesh, reduce), hw))
     return compute * op.repeat, comm * op.repeat
+
+
+def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]:
+    """The partial-sum axes a result is reduce-scattered over (they shard it) and those it is
+    all-reduced over."""
+    placed = {a for axes in spec for a in axes}
+    return ([a for a in strategy.partial_axes if a in placed],
+            [a for a in strategy.partial_axes if a not in placed])
 
 
 def _reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
@@ -120,11 +134,14 @@ def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
 
 def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
                    ) -> dict[str, float]:
-    """The all-reduce bytes (results on one device, per step) the op's partial sums need."""
-    if group_size(mesh, strategy.partial_axes) <= 1:
-        return {}
-    return {"all-reduce": op.repeat * sum(shard_bytes(tensors[t], s, mesh)
-                                          for t, s in zip(op.outputs, strategy.out_specs))}
+    """The all-reduce and reduce-scatter bytes (results on one device, per step) the op's
+    partial sums need."""
+    out: dict[str, float] = {}
+    for t, s in zip(op.outputs, strategy.out_specs):
+        for kind, axes in zip(("reduce-scatter", "all-reduce"), partial_split(strategy, s)):
+            if group_size(mesh, axes) > 1:
+                out[kind] = out.get(kind, 0.0) + op.repeat * shard_bytes(tensors[t], s, mesh)
+    return out
 
 
 def reshard_time(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> float:

@@ -47,13 +47,18 @@ class Strategy:
     assignment: tuple[tuple[str, tuple[str, ...]], ...]
     in_specs: tuple[Spec, ...]
     out_specs: tuple[Spec, ...]
-    partial_axes: tuple[str, ...]  # results are partial sums over these axes: all-reduce
+    partial_axes: tuple[str, ...]  # partial sums over these axes: all-reduce, or reduce-scatter
+    # where the axis also shards the result (see `scattered`)
     parallel: int  # how many devices share the work
 
     def describe(self) -> str:
         ins = ", ".join(spec_str(s) for s in self.in_specs)
         outs = ", ".join(spec_str(s) for s in self.out_specs)
-        extra = f" all-reduce over {self.partial_axes}" if self.partial_axes else ""
+        placed = {a for spec in self.out_specs for axes in spec for a in axes}
+        scatter = tuple(a for a in self.partial_axes if a in placed)
+        reduce = tuple(a for a in self.partial_axes if a not in placed)
+        extra = (f" reduce-scatter over {scatter}" if scatter else "") + (
+            f" all-reduce over {reduce}" if reduce else "")
         return f"({ins}) -> ({outs}){extra}"
 
 
@@ -98,8 +103,10 @@ def strategy(rule: Rule, mesh: MeshShape, assignment: dict[str, tuple[str, ...]]
     )
 
 
-def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512) -> list[Strategy]:
-    """Every way to put each mesh axis on at most one factor that its size divides.
+def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512,
+                         scatter: bool = False) -> list[Strategy]:
+    """Every way to put each mesh axis on at most one factor that its size divides; with
+    `scatter`, also the reduce-scattering variant of each strategy with partial sums.
 
     The replicated strategy comes first. Above `limit` strategies, those using fewer axes are
     kept: an operator with that many factors (a loop with many carried values) rarely profits
@@ -117,7 +124,26 @@ def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512) -> list[
                for f, ax in assignment.items()):
             found.append((sum(c is not None for c in choice), assignment))
     found.sort(key=lambda item: item[0])
-    return [strategy(rule, mesh, a) for _, a in found[:limit]]
+    options = [strategy(rule, mesh, a) for _, a in found[:limit]]
+    if not scatter:
+        return options
+    return options + [v for s in options if (v := scattered(s, rule, mesh)) is not None]
+
+
+def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> Strategy | None:
+    """The variant of `s` that reduce-scatters its partial sums along the first result
+    dimension they divide, instead of all-reducing them: half the bytes, and the result comes
+    out sharded (how data-parallel gradients reach a sharded optimizer state)."""
+    if not s.partial_axes or len(rule.results) != 1:
+        return None
+    order = {a: i for i, a in enumerate(mesh.names)}
+    n = math.prod(mesh.axis_size(a) for a in s.partial_axes)
+    out = list(s.out_specs[0])
+    for d, f in enumerate(rule.results[0]):
+        if f and rule.sizes[f] % (n * math.prod(mesh.axis_size(a) for a in out[d])) == 0:
+            out[d] = tuple(sorted((*out[d], *s.partial_axes), key=order.get))
+            return Strategy(s.assignment, s.in_specs, (tuple(out),), s.partial_axes, s.parallel)
+    return None
 
 
 def follow(rule: Rule, mesh: MeshShape, operand: int, spec: Spec) -> Strategy:

@@ -1,0 +1,125 @@
+"""Planning within a memory budget: a price on memory, then recompute, then a clear refusal.
+
+The search minimises time. When its plan does not fit `memory_limit`, every byte a strategy
+keeps per device (the step's inputs, activations and gradients) is charged a price in seconds,
+a Lagrange multiplier, and the search runs again: the price rises eightfold until the plan fits,
+then bisection finds a lower price that still fits, and the fastest fitting plan found wins.
+Charged for memory, the search shards what it would have replicated: optimizer state and
+gradients along the data axis first (their reduce-scatter costs what the all-reduce did), then
+parameters (FSDP), then activations. The recursive backend, charged heavily, splits memory first.
+
+When no price makes the plan fit, the backward pass recomputes layers (those keeping the most
+activations first) until the leanest plan fits, and the prices are searched again with those
+layers recomputed. When even that does not fit, an AutoparError gives the least memory found
+and what fills it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from autopar.errors import AutoparError
+from autopar.ir import OpGraph
+from autopar.memory import layer_steps, mib, plan_memory, roles
+from autopar.mesh import MeshShape
+from autopar.rules.factors import replicated
+from autopar.cost.model import shard_bytes
+
+RAISES = 12  # price rises of 8x before giving up on prices alone (8**12 ~ 7e10)
+BISECTIONS = 5
+
+# (memory price in seconds per byte, forward steps to recompute) -> (decisions, plan)
+Attempt = Callable[[float, frozenset], tuple[Any, Any]]
+
+
+def peak(plan: Any) -> int:
+    return int(plan.cost["peak_memory_bytes"])
+
+
+def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | None
+                ) -> tuple[Any, Any]:
+    """The fastest plan `attempt` finds that fits `limit` bytes per device (see module doc)."""
+    decisions, plan = attempt(0.0, frozenset())
+    if limit is None or peak(plan) <= limit:
+        return decisions, plan
+    tried = [(0.0, decisions, plan)]
+    start = plan.cost["total_s"] / max(peak(plan), 1)
+
+    def search_prices(recompute: frozenset) -> tuple[Any, Any] | None:
+        """Raise the price until a plan fits, then bisect below it; the fastest that fits."""
+        lo, hi, fits = 0.0, None, []
+        for k in range(RAISES + 1):
+            price = 0.0 if (k == 0 and recompute) else start * 8.0 ** k
+            d, p = attempt(price, recompute)
+            tried.append((price, d, p))
+            if peak(p) <= limit:
+                hi = price
+                fits.append((price, d, p))
+                break
+            lo = price
+        if hi is None:
+            return None
+        for _ in range(BISECTIONS if hi > 0 else 0):
+            price = math.sqrt(lo * hi) if lo > 0 else hi / 8
+            d, p = attempt(price, recompute)
+            tried.append((price, d, p))
+            if peak(p) <= limit:
+                hi = price
+                fits.append((price, d, p))
+            else:
+                lo = price
+        price, d, p = min(fits, key=lambda f: f[2].cost["total_s"])
+        return d, _with_stats(p, price, len(tried), limit)
+
+    found = search_prices(frozenset())
+    if found is None:
+        _, lean, lean_plan = min(tried, key=lambda t: peak(t[2]))
+        recompute = _layers_to_recompute(graph, lean, mesh, limit)
+        if recompute:
+            found = search_prices(recompute)
+    if found is None:
+        raise nothing_fits(min(tried, key=lambda t: peak(t[2]))[2], limit, mesh)
+    return found
+
+
+def _with_stats(plan: Any, price: float, solves: int, limit: int) -> Any:
+    stats = dict(plan.search_stats, memory_price_s_per_byte=price, memory_solves=solves,
+                 memory_limit_bytes=limit)
+    if price > 0:  # the fastest fitting plan found; no proof that none faster fits
+        stats["exact"] = False
+    return dataclasses.replace(plan, search_stats=stats)
+
+
+def _layers_to_recompute(graph: OpGraph, decisions: Any, mesh: MeshShape,
+                         limit: int) -> frozenset:
+    """Layers to recompute, most activation bytes first, until `decisions` fit (or all are)."""
+    specs = decisions.tensor_specs(graph)
+    kind = roles(graph)
+    layers = layer_steps(graph)
+
+    def kept(steps: list[int]) -> float:
+        return sum(shard_bytes(graph.tensors[t], specs.get(t, replicated(
+            len(graph.tensors[t].shape))), mesh)
+            for i in steps for t in graph.program[i].outputs if kind.get(t) == "activations")
+
+    chosen: frozenset = frozenset()
+    for layer in sorted(layers, key=lambda name: -kept(layers[name])):
+        chosen |= frozenset(layers[layer])
+        trial = dataclasses.replace(decisions, recompute=chosen)
+        if plan_memory(graph, trial, mesh).peak_bytes <= limit:
+            break
+    return chosen
+
+
+def nothing_fits(lean: Any, limit: int, mesh: MeshShape) -> AutoparError:
+    """The error for a budget no plan meets: the least memory found, and what fills it."""
+    m = lean.memory
+    kinds = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in m["at_peak"].items() if v)
+    largest = "; ".join(f"{what} {mib(b)}" for what, b in m["largest"])
+    recomputed = (f" with {len(lean.recompute)} layer(s) recomputed" if lean.recompute else "")
+    return AutoparError(
+        f"no plan fits memory_limit={mib(limit)} per device on mesh {mesh}. The leanest plan "
+        f"found{recomputed} needs {mib(m['peak_bytes'])} per device, at {m['where']}: {kinds}. "
+        f"Largest buffers then: {largest}. Fix: allow at least {mib(m['peak_bytes'])} "
+        "(memory_limit=), use more devices, a smaller batch, or smaller dtypes.")
