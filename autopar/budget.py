@@ -74,7 +74,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
 
     found = search_prices(frozenset())
     if found is None:
-        _, lean, lean_plan = min(tried, key=lambda t: peak(t[2]))
+        lean = min(tried, key=lambda t: peak(t[2]))[1]
         recompute = _layers_to_recompute(graph, lean, mesh, limit)
         if recompute:
             found = search_prices(recompute)
