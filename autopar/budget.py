@@ -19,12 +19,11 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.memory import layer_steps, mib, plan_memory, roles
 from autopar.mesh import MeshShape
-from autopar.rules.factors import replicated
-from autopar.cost.model import shard_bytes
 
 RAISES = 12  # price rises of 8x before giving up on prices alone (8**12 ~ 7e10)
 BISECTIONS = 5
@@ -98,10 +97,10 @@ def _layers_to_recompute(graph: OpGraph, decisions: Any, mesh: MeshShape,
     kind = roles(graph)
     layers = layer_steps(graph)
 
-    def kept(steps: list[int]) -> float:
-        return sum(shard_bytes(graph.tensors[t], specs.get(t, replicated(
-            len(graph.tensors[t].shape))), mesh)
-            for i in steps for t in graph.program[i].outputs if kind.get(t) == "activations")
+    def kept(steps: list[int]) -> float:  # activations are results of ops: all have a spec
+        return sum(shard_bytes(graph.tensors[t], specs[t], mesh)
+                   for i in steps for t in graph.program[i].outputs
+                   if kind.get(t) == "activations")
 
     chosen: frozenset = frozenset()
     for layer in sorted(layers, key=lambda name: -kept(layers[name])):

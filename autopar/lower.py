@@ -19,7 +19,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.ir import OpGraph
-from autopar.memory import backward_steps, layer_steps
+from autopar.memory import backward_steps, recomputed_layer_of
 from autopar.planner import Decisions
 from autopar.rules.factors import Spec, to_partition_spec
 
@@ -32,8 +32,7 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
     recompute = decisions.recompute
     backward = backward_steps(graph) if recompute else set()
     made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
-    layer_of = {i: name for name, steps in layer_steps(graph).items() for i in steps
-                if i in recompute}
+    layer_of = recomputed_layer_of(graph, recompute)
 
     def constrain(value: Any, spec: Spec) -> Any:
         if spec not in shardings:

@@ -20,12 +20,11 @@ gradients, temporaries), with the largest buffers live then.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from autopar.cost.model import shard_bytes
+from autopar.cost.model import group_size, reshard_steps, shard_bytes
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph, Tensor
 from autopar.mesh import MeshShape
@@ -182,7 +181,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # reader's own result is last needed. Walked backwards so that readers are settled first.
     last: dict[int, int] = {}
 
-    def last_read(t: int, steps: Iterable[int], default: int) -> int:
+    def last_read(steps: Iterable[int], default: int) -> int:
         end = default
         for r in steps:
             end = max(end, r, *(last.get(o, r) for o in program[r].outputs
@@ -191,33 +190,34 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
 
     for i in range(len(program) - 1, -1, -1):
         for t in program[i].outputs:
-            last[t] = last_read(t, readers.get(t, ()), i)
+            last[t] = last_read(readers.get(t, ()), i)
 
     # A layer is recomputed when the backward pass first reads one of its results; it reads
     # its inputs from other layers then, so those live until that step.
     backward = backward_steps(graph) if recompute else set()
-    layer_of = {i: name for name, steps in layer_steps(graph).items() for i in steps
-                if i in recompute} if recompute else {}
+    layer_at = recomputed_layer_of(graph, recompute)
     needed: dict[str, int] = {}
     for i in sorted(backward):
         for t in program[i].inputs:
-            needed.setdefault(layer_of.get(producer_step.get(t, -1), ""), i)
+            layer = layer_at.get(producer_step.get(t, -1))
+            if layer is not None:
+                needed.setdefault(layer, i)
 
     # Buffers as (first step, last step, kind, bytes, what).
     buffers = []
     for t in materialised - outputs:
         start, rs = producer_step[t], readers.get(t, ())
         label = tensors[t].path or _name(program[start], start)
-        own = layer_of.get(start)
-        read_again = max([needed.get(layer_of[r], 0) for r in rs
-                          if r in layer_of and layer_of[r] != own], default=0)
+        own = layer_at.get(start)
+        read_again = max([needed.get(layer_at[r], 0) for r in rs
+                          if r in layer_at and layer_at[r] != own], default=0)
         if own is not None and any(r in backward for r in rs):
             fwd = [r for r in rs if r not in backward]
             bwd = [r for r in rs if r in backward]
-            buffers.append((start, max(last_read(t, fwd, start), read_again),
+            buffers.append((start, max(last_read(fwd, start), read_again),
                             kind.get(t, "temporaries"), size(t), label))
             again = min(needed.get(own, min(bwd)), min(bwd))
-            buffers.append((again, last_read(t, bwd, again), "temporaries", size(t),
+            buffers.append((again, last_read(bwd, again), "temporaries", size(t),
                             f"{label} (recomputed)"))
         else:
             buffers.append((start, max(last[t], read_again), kind.get(t, "temporaries"),
@@ -255,9 +255,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
 
 def _reshard_buffer(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape) -> int:
     """The gathered tensor (over every axis that leaves or changes place) and the result."""
-    src = src or replicated(len(tensor.shape))
-    stay = [a for d, axes in enumerate(src) for a in axes if a in dst[d]]
-    gathered = tensor.nbytes / math.prod(mesh.axis_size(a) for a in stay)
+    share, moved, dropped = reshard_steps(src or replicated(len(tensor.shape)), dst, mesh)
+    gathered = tensor.nbytes * share * group_size(mesh, moved + dropped)
     return int(gathered + shard_bytes(tensor, dst, mesh))
 
 
@@ -304,12 +303,23 @@ def layer_steps(graph: OpGraph) -> dict[str, list[int]]:
     return out
 
 
+def recomputed_layer_of(graph: OpGraph, steps: Iterable[int]) -> dict[int, str]:
+    """The layer of each recomputed program step (nothing to walk when none is)."""
+    steps = set(steps)
+    if not steps:
+        return {}
+    return {i: name for name, ids in layer_steps(graph).items() for i in ids if i in steps}
+
+
 def recomputed_ops(graph: OpGraph, steps: Iterable[int]) -> set[int]:
     """The planning ops of the recomputed program steps."""
+    steps = set(steps)
+    if not steps:
+        return set()
     producer = graph.producers()
     return {producer[t][0] for i in steps for t in graph.program[i].outputs if t in producer}
 
 
 def recomputed_layers(graph: OpGraph, steps: Iterable[int]) -> tuple[str, ...]:
-    steps = set(steps)
-    return tuple(layer for layer, ids in layer_steps(graph).items() if steps & set(ids))
+    """The recomputed layers, in program order."""
+    return tuple(dict.fromkeys(recomputed_layer_of(graph, steps).values()))

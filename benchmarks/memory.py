@@ -7,6 +7,7 @@ reduce-scatters gradients, the layers it recomputes; or the error when nothing f
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -29,21 +30,13 @@ CASES: dict[str, Callable[[], tuple]] = {
 FRACTIONS = (1.0, 0.5, 0.25, 0.12, 0.06, 0.03)
 
 
-def _sharded_share(plan: Any, kind: str) -> float:
-    """The share of the bytes of `kind` inputs (parameters, optimizer state) not replicated."""
-    moments = "/mu/", "/nu/"
-    chosen = [t for t in plan.inputs if t.path.startswith("state/")
-              and (any(p in t.path for p in moments) == (kind == "optimizer_state"))
-              and "count" not in t.path]
-    total = sum(_full(t) for t in chosen)
-    return sum(_full(t) for t in chosen if any(t.spec)) / total if total else 0.0
-
-
-def _full(t: Any) -> int:
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n
+def _sharded_share(plan: Any, optimizer: bool) -> float:
+    """The share of the elements of the parameters (or of the optimizer's moments) that are
+    not replicated."""
+    chosen = [t for t in plan.inputs if t.path.startswith("state/") and "count" not in t.path
+              and ("/mu/" in t.path or "/nu/" in t.path) == optimizer]
+    total = sum(math.prod(t.shape) for t in chosen)
+    return sum(math.prod(t.shape) for t in chosen if any(t.spec)) / total if total else 0.0
 
 
 def run(cases: dict[str, Callable[[], tuple]], mesh_axes: dict[str, int],
@@ -76,8 +69,8 @@ def run(cases: dict[str, Callable[[], tuple]], mesh_axes: dict[str, int],
             row.update(
                 plan_s=plan_s, estimated_ms=plan.cost["total_s"] * 1e3,
                 predicted_bytes=plan.cost["peak_memory_bytes"], compiled_bytes=compiled,
-                params_sharded=_sharded_share(plan, "parameters"),
-                optimizer_sharded=_sharded_share(plan, "optimizer_state"),
+                params_sharded=_sharded_share(plan, optimizer=False),
+                optimizer_sharded=_sharded_share(plan, optimizer=True),
                 reduce_scatter_bytes=plan.cost.get("reduce-scatter_bytes", 0.0),
                 recompute=list(plan.recompute), solves=plan.search_stats.get("memory_solves", 1))
             rows.append(row)

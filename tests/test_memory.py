@@ -8,15 +8,10 @@ import pytest
 import autopar
 import models
 from autopar.memory import parse_bytes
+from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
 from autopar.planner import assemble, solve
 from autopar.trace import trace
 from helpers import check_against_single_device, copy_tree, global_relative_error
-
-# Links so slow against compute that, unconstrained, the search replicates everything: what a
-# budget then forces is the search's doing, not the time optimum's.
-SLOW_LINKS = autopar.Hardware("slow-links", flops=1e12, memory_bandwidth=1e12,
-                              link_bandwidth=1e9, link_latency=1e-4, memory_bytes=2**30)
-
 
 def compiled_bytes(step, state, batch) -> int:
     m = step.lower(state, batch).compile().memory_analysis()

@@ -83,7 +83,7 @@ def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]
             [a for a in strategy.partial_axes if a not in placed])
 
 
-def _reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
+def reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
                    ) -> tuple[float, list[str], list[str]]:
     """The share of the tensor one device holds under `src`, the axes that move to another
     dimension (one all-to-all) and the axes dropped (one all-gather over all of them, as XLA
@@ -98,12 +98,12 @@ def _reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
     """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`
-    (see _reshard_steps). The time is linear in the tensor's size: collectives * latency +
+    (see reshard_steps). The time is linear in the tensor's size: collectives * latency +
     fraction * bytes / bandwidth, so these terms serve every tensor.
     """
     if src == dst:
         return 0, 0.0
-    share, moved, dropped = _reshard_steps(src, dst, mesh)
+    share, moved, dropped = reshard_steps(src, dst, mesh)
     count, fraction = 0, 0.0
     if moved:
         n = group_size(mesh, moved)
@@ -122,7 +122,7 @@ def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
                         ) -> dict[str, float]:
     """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
     steps of reshard_terms, in the units a compiled program's collectives are read in."""
-    share, moved, dropped = _reshard_steps(src, dst, mesh)
+    share, moved, dropped = reshard_steps(src, dst, mesh)
     held = tensor.nbytes * share
     out = {}
     if moved:
