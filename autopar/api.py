@@ -40,8 +40,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     _check_backend(search)
     check_annotations_type(annotations)
     hw = get_profile(hardware)
-    mesh = _mesh_or_count(mesh)
-    return plan_step(fn, args, mesh, hw, search, annotations,
+    return plan_step(fn, args, _mesh_or_count(mesh), hw, search, annotations,
                      resolve_memory_limit(memory_limit, hw, mesh))[2]
 
 
@@ -54,7 +53,7 @@ def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
     device = None
     if isinstance(mesh, Mesh):
         device = mesh.devices.flat[0]
-    elif isinstance(mesh, int):
+    elif isinstance(mesh, (str, int)) and not isinstance(mesh, bool):  # "auto" or a count
         device = jax.devices()[0]
     stats = device.memory_stats() if device is not None else None
     return int((stats or {}).get("bytes_limit") or hw.memory_bytes)
