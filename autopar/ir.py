@@ -7,6 +7,7 @@ one equation again.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +25,8 @@ class Tensor:
     path: str | None = None
     const: bool = False  # a literal or closed-over constant, or computed from those alone
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # read for every strategy of every operator: computed once
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "token" else 0
 
 

@@ -13,9 +13,12 @@ hoist the second one into the forward pass, so the forward results die early.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.ir import OpGraph
@@ -28,16 +31,14 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
                 out_specs: Sequence[Spec]) -> Callable[..., list[Any]]:
     """A function of the flat inputs that computes the flat outputs under the plan."""
     produced = decisions.tensor_specs(graph)
-    shardings: dict[Spec, NamedSharding] = {}
     recompute = decisions.recompute
     backward = backward_steps(graph) if recompute else set()
     made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
     layer_of = recomputed_layer_of(graph, recompute)
 
     def constrain(value: Any, spec: Spec) -> Any:
-        if spec not in shardings:
-            shardings[spec] = NamedSharding(mesh, to_partition_spec(spec))
-        return jax.lax.with_sharding_constraint(value, shardings[spec])
+        primitive, params = _constraint(mesh, spec)
+        return primitive.bind(value, **params)
 
     def execute(i: int, read: Callable[[int], Any]) -> list[Any]:
         """Run program step i on the values `read` gives; results constrained as planned."""
@@ -124,3 +125,17 @@ def _after(value: Any, anchor: Any) -> Any:
         return value
     zero = (jax.numpy.ravel(anchor)[0] * 0).astype(value.dtype)
     return value + zero
+
+
+@functools.lru_cache(maxsize=4096)
+def _constraint(mesh: Mesh, spec: Spec) -> tuple[Any, dict]:
+    """The equation `with_sharding_constraint` makes for a value sharded as `spec`, as a
+    primitive and its parameters. The lowering binds it directly, as it binds every other
+    equation: the public function checks its arguments on every call, which made up a third
+    of the lowering's time, and the plan's shardings are valid by construction."""
+    sharding = NamedSharding(mesh, to_partition_spec(spec))
+    shape = tuple(math.prod(mesh.shape[a] for a in axes) for axes in spec)
+    jaxpr = jax.make_jaxpr(lambda x: jax.lax.with_sharding_constraint(x, sharding))(
+        jax.ShapeDtypeStruct(shape, np.float32))
+    (eqn,) = jaxpr.eqns
+    return eqn.primitive, eqn.params

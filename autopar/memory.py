@@ -20,6 +20,7 @@ gradients, temporaries), with the largest buffers live then.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -78,6 +79,7 @@ class MemoryEstimate:
         return f"{mib(self.peak_bytes)} per device at {self.where} ({parts})"
 
 
+@functools.lru_cache(maxsize=4)
 def roles(graph: OpGraph) -> dict[int, str]:
     """The kind of every input, and of the intermediates that are activations or gradients.
 
@@ -112,7 +114,8 @@ def roles(graph: OpGraph) -> dict[int, str]:
     return out
 
 
-def backward_steps(graph: OpGraph) -> set[int]:
+@functools.lru_cache(maxsize=4)
+def backward_steps(graph: OpGraph) -> frozenset[int]:
     """Program steps that belong to the backward pass."""
     producer = graph.producers()
     out = set()
@@ -120,7 +123,7 @@ def backward_steps(graph: OpGraph) -> set[int]:
         ops = [graph.ops[producer[t][0]] for t in step.outputs if t in producer]
         if ops and ops[0].backward:
             out.add(i)
-    return out
+    return frozenset(out)
 
 
 def operand_reshards(graph: OpGraph, decisions: Any) -> dict[tuple[int, int], Spec]:
@@ -158,43 +161,15 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             return 0
         return int(shard_bytes(tensor, specs.get(t, replicated(len(tensor.shape))), mesh))
 
-    def primitive(i: int) -> str:
-        eqn = program[i].eqn
-        return "copy_p" if eqn is None else eqn.primitive.name
-
-    producer_step = {t: i for i, step in enumerate(program) for t in step.outputs}
-    readers: dict[int, list[int]] = {}
-    for i, step in enumerate(program):
-        for t in set(step.inputs):
-            readers.setdefault(t, []).append(i)
-    kind = roles(graph)
+    producer_step, readers, kind, materialised, last = _liveness(graph)
     outputs = set(graph.outputs)
-    materialised = set()
-    for t, i in producer_step.items():
-        rs = readers.get(t, ())
-        if (t in outputs or primitive(i) not in FUSED or len(rs) > 1
-                or kind.get(t) == "activations"
-                or any(primitive(r) not in FUSING_READERS for r in rs)):
-            materialised.add(t)
-
-    # The step at which each value is last needed: a fused value is read where its fused
-    # reader's own result is last needed. Walked backwards so that readers are settled first.
-    last: dict[int, int] = {}
 
     def last_read(steps: Iterable[int], default: int) -> int:
-        end = default
-        for r in steps:
-            end = max(end, r, *(last.get(o, r) for o in program[r].outputs
-                                if o not in materialised))
-        return end
-
-    for i in range(len(program) - 1, -1, -1):
-        for t in program[i].outputs:
-            last[t] = last_read(readers.get(t, ()), i)
+        return _last_read(program, materialised, last, steps, default)
 
     # A layer is recomputed when the backward pass first reads one of its results; it reads
     # its inputs from other layers then, so those live until that step.
-    backward = backward_steps(graph) if recompute else set()
+    backward = backward_steps(graph) if recompute else frozenset()
     layer_at = recomputed_layer_of(graph, recompute)
     needed: dict[str, int] = {}
     for i in sorted(backward):
@@ -207,7 +182,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     buffers = []
     for t in materialised - outputs:
         start, rs = producer_step[t], readers.get(t, ())
-        label = tensors[t].path or _name(program[start], start)
+        label: Any = t  # named only if among the largest at the peak (naming is slow)
         own = layer_at.get(start)
         read_again = max([needed.get(layer_at[r], 0) for r in rs
                           if r in layer_at and layer_at[r] != own], default=0)
@@ -217,15 +192,14 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             buffers.append((start, max(last_read(fwd, start), read_again),
                             kind.get(t, "temporaries"), size(t), label))
             again = min(needed.get(own, min(bwd)), min(bwd))
-            buffers.append((again, last_read(bwd, again), "temporaries", size(t),
-                            f"{label} (recomputed)"))
+            buffers.append((again, last_read(bwd, again), "temporaries", size(t), (t,)))
         else:
             buffers.append((start, max(last[t], read_again), kind.get(t, "temporaries"),
                             size(t), label))
     for (i, k), spec in (reshards or {}).items():
         t = program[i].inputs[k]
         buffers.append((i, i, "temporaries", _reshard_buffer(tensors[t], specs.get(t), spec, mesh),
-                        f"resharding {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"))
+                        (t, i)))
     aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
                if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
     base: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -249,8 +223,64 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             at_peak[k] += nbytes
             held.append((nbytes, label))
     held.sort(key=lambda h: -h[0])
+
+    def describe(label: Any) -> str:
+        """A buffer's name: tensor t, (t,) its recomputation, (t, i) resharding it for step i."""
+        if isinstance(label, str):
+            return label
+        if isinstance(label, int):
+            return tensors[label].path or _name(program[producer_step[label]],
+                                                producer_step[label])
+        if len(label) == 1:
+            return f"{describe(label[0])} (recomputed)"
+        t, i = label
+        return f"resharding {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"
+
     where = _name(program[peak_step], peak_step) if peak_step >= 0 else "the start of the step"
-    return MemoryEstimate(int(peak), at_peak, where, tuple((w, b) for b, w in held[:5]))
+    return MemoryEstimate(int(peak), at_peak, where,
+                          tuple((describe(w), b) for b, w in held[:5]))
+
+
+@functools.lru_cache(maxsize=4)  # a memory budget estimates one graph under many plans
+def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dict[int, str],
+                                       frozenset[int], dict[int, int]]:
+    """What the estimate needs of the program alone: each value's producing step, its
+    readers, its kind (`roles`), which values get a buffer of their own, and the step at which
+    each value is last needed (a fused value is read where its fused reader's result is)."""
+    program = graph.program
+
+    def primitive(i: int) -> str:
+        eqn = program[i].eqn
+        return "copy_p" if eqn is None else eqn.primitive.name
+
+    producer_step = {t: i for i, step in enumerate(program) for t in step.outputs}
+    readers: dict[int, list[int]] = {}
+    for i, step in enumerate(program):
+        for t in set(step.inputs):
+            readers.setdefault(t, []).append(i)
+    kind = roles(graph)
+    outputs = set(graph.outputs)
+    materialised = set()
+    for t, i in producer_step.items():
+        rs = readers.get(t, ())
+        if (t in outputs or primitive(i) not in FUSED or len(rs) > 1
+                or kind.get(t) == "activations"
+                or any(primitive(r) not in FUSING_READERS for r in rs)):
+            materialised.add(t)
+    last: dict[int, int] = {}
+    for i in range(len(program) - 1, -1, -1):  # backwards: readers are settled first
+        for t in program[i].outputs:
+            last[t] = _last_read(program, materialised, last, readers.get(t, ()), i)
+    return producer_step, readers, kind, frozenset(materialised), last
+
+
+def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Iterable[int],
+               default: int) -> int:
+    """The last step that needs a value read at `steps`, fused readers followed."""
+    end = default
+    for r in steps:
+        end = max(end, r, *(last.get(o, r) for o in program[r].outputs if o not in materialised))
+    return end
 
 
 def _reshard_buffer(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape) -> int:
@@ -286,7 +316,8 @@ def layer_of(scope: str) -> str | None:
     return None
 
 
-def layer_steps(graph: OpGraph) -> dict[str, list[int]]:
+@functools.lru_cache(maxsize=4)
+def layer_steps(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     """The forward program steps of every layer that can be recomputed: plain equations (not
     loops) before the backward pass, in a numbered scope."""
     producer = graph.producers()
@@ -300,7 +331,7 @@ def layer_steps(graph: OpGraph) -> dict[str, list[int]]:
         layer = layer_of(ops[0].scope) if ops else None
         if layer is not None:
             out.setdefault(layer, []).append(i)
-    return out
+    return {name: tuple(steps) for name, steps in out.items()}
 
 
 def recomputed_layer_of(graph: OpGraph, steps: Iterable[int]) -> dict[int, str]:

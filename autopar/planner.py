@@ -20,7 +20,7 @@ from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
-from autopar.problem import Problem, build_problem, make_units
+from autopar.problem import Problem, Unit, build_problem, make_units
 from autopar.recursive import solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
@@ -47,32 +47,44 @@ class Decisions:
 
 
 def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
-          pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0
+          pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0,
+          units: list[Unit] | None = None, problems: dict | None = None
           ) -> tuple[Decisions, dict]:
     """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
     (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
-    device charged `memory_weight` seconds (see build_problem)."""
+    device charged `memory_weight` seconds (see build_problem).
+
+    A caller that searches one graph, mesh and pins more than once (at several memory prices)
+    passes `units` (make_units(graph)) and a `problems` dict, which keeps the problems built,
+    unpriced, for the next search."""
     if backend not in BACKENDS:
         raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
-    units = make_units(graph)
+    units = make_units(graph) if units is None else units
     if backend == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
-                                                   memory_weight)
+                                                   memory_weight, problems)
         space = "one axis at a time"
     elif backend == "sharding_propagation":
-        problem, solution = _propagate(graph, mesh, hw, pinned or {}, units, memory_weight)
+        if not pinned:
+            raise AutoparError(
+                "search='sharding_propagation' spreads annotations, and this step has none. "
+                "Fix: pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), "
+                "call autopar.shard(x, P(...)) in the model, or use "
+                "search='dynamic_programming'.")
+        problem = _full_problem(graph, mesh, hw, pinned, units, problems)
+        problem, solution = _propagate(problem.priced(graph, mesh, memory_weight), pinned)
         space = "propagation from the annotations"
     else:
-        problem = build_problem(graph, mesh, hw, pinned, units=units,
-                                memory_weight=memory_weight)
+        problem = _full_problem(graph, mesh, hw, pinned, units, problems)
+        problem = problem.priced(graph, mesh, memory_weight)
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
         else:
             problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem,
-                                                          memory_weight)
+                                                          memory_weight, problems)
     t1 = time.perf_counter()
     strategies = problem.decode(solution.choice)
     by_tensor = {}
@@ -89,9 +101,20 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     return Decisions(inputs, ops), stats
 
 
+def _full_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec] | None,
+                  units: list[Unit], problems: dict | None) -> Problem:
+    """The unpriced problem of the whole mesh, from `problems` if it was built before."""
+    if problems is not None and "full" in problems:
+        return problems["full"]
+    problem = build_problem(graph, mesh, hw, pinned, units=units)
+    if problems is not None:
+        problems["full"] = problem
+    return problem
+
+
 def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                       pinned: dict[int, Spec] | None, full: Problem, memory_weight: float
-                       ) -> tuple[Problem, search.Solution, str]:
+                       pinned: dict[int, Spec] | None, full: Problem, memory_weight: float,
+                       problems: dict | None) -> tuple[Problem, search.Solution, str]:
     """The cheaper of two answers when exact tables for the full space do not fit.
 
     A training step's forward and backward passes share activations and parameters, which makes
@@ -102,7 +125,7 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
     rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned, full.units,
-                                                       memory_weight)
+                                                       memory_weight, problems)
     candidates = [(full, bounded, "full"), (rounds_problem, rounds_answer, "one axis at a time")]
     problem, best, space = min(candidates, key=lambda c: c[1].cost)
     bound = bounded.stats["lower_bound"]
@@ -112,15 +135,8 @@ def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     return problem, search.Solution(best.choice, best.cost, stats), space
 
 
-def _propagate(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec],
-               units: list, memory_weight: float) -> tuple[Problem, search.Solution]:
+def _propagate(problem: Problem, pinned: dict[int, Spec]) -> tuple[Problem, search.Solution]:
     """Sharding propagation from the pinned tensors; unreached nodes get data parallel."""
-    if not pinned:
-        raise AutoparError(
-            "search='sharding_propagation' spreads annotations, and this step has none. Fix: "
-            "pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), call "
-            "autopar.shard(x, P(...)) in the model, or use search='dynamic_programming'.")
-    problem = build_problem(graph, mesh, hw, pinned, units=units, memory_weight=memory_weight)
     seeds = sorted({problem.node_of[u] for u, unit in enumerate(problem.units)
                     if unit.outputs and unit.outputs[0] in pinned})
     defaults = [_data_parallel_choice(problem.choices[r]) for r in problem.roots]
@@ -178,12 +194,19 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     moved: set[tuple[int, Spec]] = set()
     recomputed = recomputed_ops(graph, decisions.recompute)
     recompute_s = 0.0
+    # The same operator of every block costs alike: timed and counted once.
+    known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
     for op, st in zip(graph.ops, decisions.ops):
-        c, m = op_time(op, st, tensors, mesh, hw)
+        key = (op.primitive, op.repeat, str(op.params.get("dimension_numbers")), st,
+               tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
+        if key not in known:
+            known[key] = (op_time(op, st, tensors, mesh, hw),
+                          op_collectives(op, st, tensors, mesh))
+        (c, m), collectives = known[key]
         if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
             recompute_s += c
             c *= 2
-        count(op_collectives(op, st, tensors, mesh))
+        count(collectives)
         for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
             if not tensors[t].const and t in specs and specs[t] != need:
                 move = op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
@@ -245,6 +268,7 @@ def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hard
     graph, in_tree, out_shape = trace(fn, args)
     t1 = time.perf_counter()
     out_tree = jax.tree_util.tree_structure(out_shape)
+    units = make_units(graph)
     shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
     best = None
     first_error = fit_error = None
@@ -255,9 +279,12 @@ def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hard
             first_error = first_error or e
             continue
 
+        problems: dict = {}  # built once for this mesh, searched at every memory price
+
         def attempt(price: float, recompute: frozenset, shape: MeshShape = shape,
-                    pinned: dict[int, Spec] = pinned) -> tuple[Decisions, Plan]:
-            decisions, stats = solve(graph, shape, hw, backend, pinned, price)
+                    pinned: dict[int, Spec] = pinned, problems: dict = problems
+                    ) -> tuple[Decisions, Plan]:
+            decisions, stats = solve(graph, shape, hw, backend, pinned, price, units, problems)
             decisions = dataclasses.replace(decisions, recompute=recompute)
             stats["trace_s"] = t1 - t0
             return decisions, assemble(graph, decisions, shape, hw, backend, stats, in_tree,

@@ -8,9 +8,11 @@ ties). Resharding between nodes becomes an edge's cost matrix.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +23,7 @@ from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
                            replicated_rule, rule_for)
-from autopar.rules.factors import strategy
+from autopar.rules.factors import canonical, strategy
 from autopar.layers import repeated_ties
 from autopar.memory import roles
 
@@ -44,6 +46,9 @@ class Unit:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     op: Op | None  # None for an input of the step
+    # Equal for ops that cost the same under the same strategy (the same layer in every block)
+    cost_key: tuple = ()
+    tie: int | None = None  # the first unit of its kind, for an instance of a repeated layer
 
 
 @dataclass(frozen=True)
@@ -71,13 +76,30 @@ class Problem:
     producer: dict[int, tuple[int, int]]  # tensor -> (unit, output index)
     roots: list[int]  # node -> the unit that defines it
 
+    memory: list[np.ndarray] | None = None  # node -> bytes it keeps per device, per strategy
+
+    def priced(self, graph: OpGraph, mesh: MeshShape, weight: float) -> Problem:
+        """This problem with each byte kept per device charged `weight` seconds (see
+        build_problem). The unpriced problem stays as it is: a search at another price reuses
+        it instead of building it again."""
+        if weight <= 0:
+            return self
+        if self.memory is None:
+            self.memory = _memory_bytes(graph, self.units, self.choices, self.node_of,
+                                        canonical(mesh), self.roots)
+        costs = tuple(c + weight * m for c, m in zip(self.graph.node_costs, self.memory))
+        return dataclasses.replace(self, graph=self.graph.with_node_costs(costs))
+
     def decode(self, choice: np.ndarray) -> list[Strategy]:
         """The strategy of every unit under the search's choice per node."""
         return [self.choices[u][int(choice[self.node_of[u]])] for u in range(len(self.units))]
 
 
 def make_units(graph: OpGraph) -> list[Unit]:
-    """One unit per non-constant input, then one per op; warns about ops without a rule."""
+    """One unit per non-constant input, then one per op; warns about ops without a rule.
+
+    Units depend on the graph alone: one list serves every search of the graph (each mesh,
+    round and memory price)."""
     units = []
     for t in graph.inputs:
         tensor = graph.tensors[t]
@@ -91,13 +113,19 @@ def make_units(graph: OpGraph) -> list[Unit]:
         if rule is None:
             missing[op.primitive].append(op.source)
             rule = replicated_rule(ins, outs)
-        units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op))
+        rule = canonical(rule)
+        cost_key = (op.primitive, rule.key, op.repeat, str(op.params.get("dimension_numbers")),
+                    tuple((graph.tensors[t].shape, graph.tensors[t].dtype)
+                          for t in (*op.inputs, *op.outputs)))
+        units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op, cost_key))
     for primitive, sources in missing.items():
         where = "; ".join(sorted(set(sources))[:3]) + (" ..." if len(set(sources)) > 3 else "")
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
                       f"({len(sources)} use(s), at {where}); it runs replicated.",
                       AutoparWarning, stacklevel=4)
-    return units
+    ties = repeated_ties(graph, units)
+    return [dataclasses.replace(unit, tie=ties[u]) if u in ties else unit
+            for u, unit in enumerate(units)]
 
 
 def _input_rule(tensor: Tensor) -> Rule:
@@ -132,56 +160,54 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     the step's inputs, activations and gradients, so that the search trades time for memory.
     """
     units = make_units(graph) if units is None else units
+    mesh = canonical(mesh)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
-    same_layer = repeated_ties(graph, units) if tie_layers else {}
+    same_layer = {u: unit.tie for u, unit in enumerate(units)
+                  if tie_layers and unit.tie is not None}
     node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
                                      pinned or {})
     reshard = _Resharding(mesh, hw)
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
-    op_costs: dict[tuple, float] = {}
+    op_costs: dict[tuple, Any] = {}
     for u, unit in enumerate(units):
         if unit.op is not None:
             node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph.tensors, mesh, hw,
                                                   op_costs)
 
-    if memory_weight > 0:
-        _charge_memory(graph, units, choices, node_of, mesh, memory_weight, node_costs)
-
     edges: list[tuple[int, int, np.ndarray]] = []
 
-    def connect(t: int, src_specs: list[Spec], dst_u: int, dst_specs: list[Spec], scale: float):
-        """Charge resharding `t` from its producer's spec to what unit dst_u needs."""
-        a, b = node_of[producer[t][0]], node_of[dst_u]
-        tensor = graph.tensors[t]
-        if a == b:  # both lists are indexed by the same node's strategies
-            node_costs[a] += scale * reshard.cost(tensor, src_specs, dst_specs, paired=True)
+    def connect(t: int, src: tuple[int, str, int], dst: tuple[int, str, int], scale: float):
+        """Charge resharding `t` from its producer's spec (unit, side, index) to what the
+        user (unit, side, index) needs."""
+        a, b = node_of[src[0]], node_of[dst[0]]
+        srcs = reshard.specs(choices[src[0]], *src[1:])
+        dsts = reshard.specs(choices[dst[0]], *dst[1:])
+        if a == b and srcs is dsts:  # the operand arrives as produced: nothing to move
             return
-        src_idx, src_list = _distinct(src_specs)
-        dst_idx, dst_list = _distinct(dst_specs)
-        small = reshard.cost(tensor, src_list, dst_list, paired=False)
-        if small.any():
-            edges.append((a, b, scale * small[np.ix_(src_idx, dst_idx)]))
+        seconds = reshard.cost(graph.tensors[t], srcs, dsts, paired=a == b)
+        if a == b:  # both lists are indexed by the same node's strategies
+            node_costs[a] += scale * seconds
+        elif seconds.any():
+            edges.append((a, b, scale * seconds))
 
     for u, unit in enumerate(units):
         for i, t in enumerate(unit.inputs):
             if graph.tensors[t].const or t not in producer:
                 continue
             p, k = producer[t]
-            connect(t, [s.out_specs[k] for s in choices[p]], u,
-                    [s.in_specs[i] for s in choices[u]], unit.op.repeat if unit.op else 1)
+            connect(t, (p, "out", k), (u, "in", i), unit.op.repeat if unit.op else 1)
     # The state a step returns is the next step's input: its sharding should not change.
     for out_index, in_index in graph.state_pairs.items():
         t_out, t_in = graph.outputs[out_index], graph.inputs[in_index]
         if t_out in producer and t_in in producer:
             p, k = producer[t_out]
-            q = producer[t_in][0]
-            connect(t_out, [s.out_specs[k] for s in choices[p]], q,
-                    [s.out_specs[0] for s in choices[q]], 1.0)
+            connect(t_out, (p, "out", k), (producer[t_in][0], "out", 0), 1.0)
 
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
-    return Problem(cost_graph, units, node_of, choices, producer, roots)
+    problem = Problem(cost_graph, units, node_of, choices, producer, roots)
+    return problem.priced(graph, mesh, memory_weight)
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
@@ -199,7 +225,7 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     node_of: list[int] = []
     choices: list[list[Strategy]] = []
     roots: list[int] = []
-    followed: dict[tuple, Strategy] = {}  # operators of equal rules follow alike
+    derived: dict[tuple, list[Strategy]] = {}
     state_shapes = {tuple(sorted(graph.tensors[graph.inputs[i]].shape))
                     for i in graph.state_pairs.values()}
     for u, unit in enumerate(units):
@@ -213,13 +239,11 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
         elif source is not None and source[0] < u:
             src_unit, k = source
             node_of.append(node_of[src_unit])
-            derived = []
-            for s in choices[src_unit]:
-                key = (unit.rule.key, main, s.out_specs[k])
-                if key not in followed:
-                    followed[key] = follow(unit.rule, mesh, main, s.out_specs[k])
-                derived.append(followed[key])
-            choices.append(derived)
+            key = (unit.rule, main, id(choices[src_unit]), k)
+            if key not in derived:  # a repeated layer's followers share their producers' list
+                derived[key] = [follow(unit.rule, mesh, main, s.out_specs[k])
+                                for s in choices[src_unit]]
+            choices.append(derived[key])
         elif u in same_layer and not set(units[same_layer[u]].outputs[:1]) & pinned.keys():
             node_of.append(node_of[same_layer[u]])
             choices.append(choices[same_layer[u]])
@@ -255,58 +279,70 @@ def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:
 
 
 class _Resharding:
-    """Resharding cost matrices, from terms cached per pair of spec lists: the cost is linear
-    in the tensor's bytes, so one pair of term tables serves every tensor of those specs."""
+    """Resharding cost tables, kept per pair of spec lists: the cost is linear in the tensor's
+    bytes, so one pair of term tables serves every tensor of those specs. Units of a repeated
+    layer share strategy lists, so most lookups are by identity."""
 
     def __init__(self, mesh: MeshShape, hw: Hardware) -> None:
         self.mesh, self.hw = mesh, hw
-        self._terms: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._specs: dict[tuple, tuple[list[Strategy], tuple[Spec, ...]]] = {}
+        self._lists: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
+        self._terms: dict[tuple, tuple[tuple, tuple, np.ndarray, np.ndarray]] = {}
 
-    def terms(self, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...],
-              paired: bool) -> tuple[np.ndarray, np.ndarray]:
-        key = (srcs, dsts, paired)
-        if key not in self._terms:
-            pairs = zip(srcs, dsts) if paired else ((s, d) for s in srcs for d in dsts)
-            table = np.array([reshard_terms(s, d, self.mesh) for s, d in pairs],
-                             dtype=np.float64).reshape(-1, 2)
-            shape = (len(srcs),) if paired else (len(srcs), len(dsts))
-            self._terms[key] = (table[:, 0].reshape(shape), table[:, 1].reshape(shape))
-        return self._terms[key]
+    def specs(self, strategies: list[Strategy], side: str, index: int) -> tuple[Spec, ...]:
+        """The spec of operand (side 'in') or result ('out') `index` under each strategy, as
+        one shared tuple per distinct content."""
+        key = (id(strategies), side, index)
+        if key not in self._specs:  # the entry keeps `strategies` alive: its id stays unique
+            specs = tuple(s.in_specs[index] if side == "in" else s.out_specs[index]
+                          for s in strategies)
+            self._specs[key] = (strategies, self._lists.setdefault(specs, specs))
+        return self._specs[key][1]
 
-    def cost(self, tensor: Tensor, srcs: list[Spec], dsts: list[Spec], paired: bool) -> np.ndarray:
+    def cost(self, tensor: Tensor, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...],
+             paired: bool) -> np.ndarray:
         """Seconds per (src, dst): elementwise when `paired`, else a matrix."""
-        count, fraction = self.terms(tuple(srcs), tuple(dsts), paired)
+        key = (id(srcs), id(dsts), paired)
+        if key not in self._terms:
+            src_idx, src_list = _distinct(srcs)
+            dst_idx, dst_list = _distinct(dsts)
+            table = np.array([reshard_terms(s, d, self.mesh) for s in src_list for d in dst_list],
+                             dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
+            table = table[src_idx, dst_idx] if paired else table[np.ix_(src_idx, dst_idx)]
+            self._terms[key] = (srcs, dsts, table[..., 0], table[..., 1])
+        count, fraction = self._terms[key][2:]
         return count * self.hw.link_latency + fraction * (tensor.nbytes / self.hw.link_bandwidth)
 
 
 def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, ...],
-                mesh: MeshShape, hw: Hardware, memo: dict[tuple, float]) -> np.ndarray:
+                mesh: MeshShape, hw: Hardware, memo: dict[tuple, Any]) -> np.ndarray:
     """Compute plus communication seconds of the unit's op under each strategy.
 
-    `memo` is shared by all units: ops of one primitive, rule and repeat count (the same layer
-    in every block) cost the same under the same strategy.
+    `memo` is shared by all units: units of one `cost_key` cost the same under the same
+    strategy, and units of a repeated layer share their strategy list.
     """
     op = unit.op
-    signature = (op.primitive, unit.rule.key, op.repeat, str(op.params.get("dimension_numbers")),
-                 tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
-    out = np.empty(len(strategies))
-    for j, s in enumerate(strategies):
-        key = (signature, id(s))  # strategies are shared objects, alive for the whole build
-        if key not in memo:
-            compute, comm = op_time(op, s, tensors, mesh, hw)
-            memo[key] = compute + comm
-        out[j] = memo[key]
-    return out
+    key = (unit.cost_key, id(strategies))
+    if key not in memo:
+        known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
+        for s in strategies:  # strategies are shared objects, alive for the whole build
+            if id(s) not in known:
+                compute, comm = op_time(op, s, tensors, mesh, hw)
+                known[id(s)] = compute + comm
+        # The entry keeps the list alive, so that its id stays unique.
+        memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))
+    return memo[key][1]
 
 
-def _charge_memory(graph: OpGraph, units: list[Unit], choices: list[list[Strategy]],
-                   node_of: list[int], mesh: MeshShape, weight: float,
-                   node_costs: list[np.ndarray]) -> None:
-    """Add `weight` times the bytes per device of the tensors that make up most of a training
-    step's peak (inputs, activations, gradients: `memory.roles`) to their producers' nodes."""
+def _memory_bytes(graph: OpGraph, units: list[Unit], choices: list[list[Strategy]],
+                  node_of: list[int], mesh: MeshShape, roots: list[int]) -> list[np.ndarray]:
+    """Per node and strategy, the bytes per device of the tensors that make up most of a
+    training step's peak (inputs, activations, gradients: `memory.roles`) its units produce."""
     kept = roles(graph)
+    total = [np.zeros(len(choices[r])) for r in roots]
     for u, unit in enumerate(units):
         for k, t in enumerate(unit.outputs):
             if t in kept and not graph.tensors[t].const:
-                node_costs[node_of[u]] += weight * np.array(
-                    [shard_bytes(graph.tensors[t], s.out_specs[k], mesh) for s in choices[u]])
+                total[node_of[u]] += [shard_bytes(graph.tensors[t], s.out_specs[k], mesh)
+                                      for s in choices[u]]
+    return total

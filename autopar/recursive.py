@@ -39,29 +39,42 @@ def solve_round(problem: Problem) -> tuple[search.Solution, bool]:
 
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                     pinned: dict[int, Spec] | None, units: list[Unit] | None = None,
-                    memory_weight: float = 0.0) -> tuple[Problem, search.Solution, dict]:
-    """Plan `graph` axis by axis; returns the last round's problem and solution, and stats."""
+                    memory_weight: float = 0.0, problems: dict | None = None
+                    ) -> tuple[Problem, search.Solution, dict]:
+    """Plan `graph` axis by axis; returns the last round's problem and solution, and stats.
+
+    `problems` keeps each round's unpriced problem, by the rounds before it and their answers,
+    for the next search of this graph, mesh and pins (at another memory price)."""
     units = make_units(graph) if units is None else units
     order = axis_order(mesh)
     if not order:  # a mesh of one device: one round decides everything (all replicated)
         order = list(mesh.names[:1])
     done: list[str] = []
-    extension: Extension | None = None
     problem = solution = None
     exact_rounds = 0
+    key: tuple = ()
     for axis in order:
-        done.append(axis)
-        names = tuple(n for n in mesh.names if n in done)
+        names = tuple(n for n in mesh.names if n in done or n == axis)
         sub = MeshShape(names, tuple(mesh.axis_size(n) for n in names))
-        sub_pins = None if pinned is None else {
-            t: tuple(tuple(a for a in axes if a in names) for axes in spec)
-            for t, spec in pinned.items()}
-        problem = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units,
-                                memory_weight=memory_weight)
+        key = (axis, key)
+        if problems is None or key not in problems:
+            sub_pins = None if pinned is None else {
+                t: tuple(tuple(a for a in axes if a in names) for axes in spec)
+                for t, spec in pinned.items()}
+            extension = None
+            if problem is not None:  # keep what the earlier rounds decided
+                strategies = problem.decode(solution.choice)
+                extension = Extension(frozenset(done), {
+                    u: dict(strategies[u].assignment) for u in range(len(problem.units))})
+            built = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
+            if problems is not None:
+                problems[key] = built
+        else:
+            built = problems[key]
+        problem = built.priced(graph, sub, memory_weight)
         solution, exact = solve_round(problem)
         exact_rounds += exact
-        strategies = problem.decode(solution.choice)
-        extension = Extension(frozenset(done), {
-            u: dict(strategies[u].assignment) for u in range(len(problem.units))})
+        done.append(axis)
+        key += (solution.choice.tobytes(),)  # the next round extends this answer
     return problem, solution, {"rounds": len(order), "exact_rounds": exact_rounds,
                                "exact": False}

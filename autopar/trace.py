@@ -8,6 +8,7 @@ tied to one sharding across iterations.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -57,6 +58,11 @@ def leaf_paths(tree: Any, prefix: str) -> list[str]:
     return ["/".join(p for p in (prefix, path_to_str(kp)) if p) for kp, _ in leaves]
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: Any) -> str:  # str() of a numpy dtype is slow, and asked per tensor
+    return str(dtype)
+
+
 @dataclass
 class _Builder:
     tensors: list[Tensor] = field(default_factory=list)
@@ -66,7 +72,7 @@ class _Builder:
 
     def tensor(self, aval: Any, path: str | None = None, const: bool = False) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        dtype = str(getattr(aval, "dtype", "token"))
+        dtype = _dtype_name(getattr(aval, "dtype", "token"))
         self.tensors.append(Tensor(len(self.tensors), shape, dtype, path, const))
         return len(self.tensors) - 1
 

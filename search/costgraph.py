@@ -108,6 +108,20 @@ class CostGraph:
             edges.append((u, v, arr))
         object.__setattr__(self, "edges", tuple(edges))
 
+    def with_node_costs(self, node_costs: Sequence[Any]) -> CostGraph:
+        """The same graph with other node costs of the same shapes. The edges, validated
+        already, are shared rather than checked again: a caller searching one graph at many
+        prices pays for its edges once."""
+        costs = tuple(_as_cost_array(v, 1, f"node {i} ({self.name(i)!r})")
+                      for i, v in enumerate(node_costs))
+        if [c.shape for c in costs] != [c.shape for c in self.node_costs]:
+            raise ValueError("with_node_costs: the new costs must have the old shapes")
+        clone = object.__new__(CostGraph)
+        for name, value in (("node_costs", costs), ("edges", self.edges),
+                            ("node_names", self.node_names)):
+            object.__setattr__(clone, name, value)
+        return clone
+
     def num_nodes(self) -> int:
         """Number of nodes."""
         return len(self.node_costs)

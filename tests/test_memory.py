@@ -10,6 +10,7 @@ import models
 from autopar.memory import parse_bytes
 from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
 from autopar.planner import assemble, solve
+from autopar.problem import make_units
 from autopar.trace import trace
 from helpers import check_against_single_device, copy_tree, global_relative_error
 
@@ -137,3 +138,18 @@ def test_plan_json_keeps_memory_and_recompute():
     again = autopar.Plan.from_json(plan.to_json())
     assert again.memory == plan.memory and again.memory["limit_bytes"] == 2**30
     assert "memory at its peak of 1024.0 MiB allowed" in plan.summary()
+
+
+@pytest.mark.parametrize("backend", ["dynamic_programming", "recursive_programming"])
+def test_problems_kept_across_prices_search_as_fresh_ones(backend):
+    """The budget searches one graph at many prices and keeps the problems it built, unpriced;
+    each search must find what a search of freshly built problems finds."""
+    step, state, batch = gpt()
+    graph = trace(step, (state, batch))[0]
+    shape = autopar.mesh.mesh_shape({"data": 2, "model": 4})
+    units, kept = make_units(graph), {}
+    for price in (0.0, 1e-9, 1e-7, 1e-9):
+        reused, _ = solve(graph, shape, SLOW_LINKS, backend, None, price, units, kept)
+        fresh, _ = solve(graph, shape, SLOW_LINKS, backend, None, price)
+        assert reused.ops == fresh.ops and reused.inputs == fresh.inputs
+    assert kept  # the problems were kept, not built again

@@ -295,6 +295,19 @@ def test_malformed_graphs_rejected() -> None:
         graph.total_cost([2])
 
 
+def test_with_node_costs_keeps_edges_and_checks_costs() -> None:
+    graph = CostGraph((np.array([1.0, 2.0]), np.array([3.0])), ((0, 1, np.array([[0.0], [5.0]])),),
+                      ("a", "b"))
+    priced = graph.with_node_costs([np.array([4.0, 0.0]), np.array([1.0])])
+    assert priced.edges is graph.edges and priced.node_names == ("a", "b")
+    assert solve(priced).cost == solve(CostGraph(priced.node_costs, graph.edges)).cost == 5.0
+    assert solve(graph).cost == 4.0  # the original is unchanged
+    with pytest.raises(ValueError, match="shapes"):
+        graph.with_node_costs([np.zeros(3), np.zeros(1)])
+    with pytest.raises(ValueError, match="NaN"):
+        graph.with_node_costs([np.array([0.0, math.nan]), np.zeros(1)])
+
+
 def test_too_large_suggests_recursive_programming() -> None:
     rng = np.random.default_rng(0)
     n, k = 10, 8

@@ -40,7 +40,13 @@ def all_to_all(nbytes: float, n: int, hw: Hardware) -> float:
 
 def shard_bytes(tensor: Tensor, spec: Spec, mesh: MeshShape) -> float:
     """Bytes one device holds of `tensor` sharded as `spec`."""
-    return tensor.nbytes / group_size(mesh, [a for axes in spec for a in axes])
+    return tensor.nbytes / _ways(spec, mesh)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ways(spec: Spec, mesh: MeshShape) -> int:
+    """Into how many shards `spec` cuts a tensor (asked for every strategy of every tensor)."""
+    return group_size(mesh, [a for axes in spec for a in axes])
 
 
 def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:

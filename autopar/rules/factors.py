@@ -34,6 +34,13 @@ class Rule:
         """Equal for rules of equal structure (factor names are assigned in a fixed order)."""
         return self.operands, self.results, tuple(sorted(self.sizes.items()))
 
+    def __hash__(self) -> int:  # with the sizes: rules that differ only in them are many
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:  # rules key the strategy caches: hashed on every lookup
+        return hash(self.key)
+
     @property
     def reduction_factors(self) -> frozenset[str]:
         in_results = {f for dims in self.results for f in dims if f}
@@ -112,6 +119,21 @@ def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512,
     kept: an operator with that many factors (a loop with many carried values) rarely profits
     from the rest, and the search stays small.
     """
+    return list(_strategies(rule, mesh, limit, scatter))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def canonical(value: Rule | MeshShape) -> Rule | MeshShape:
+    """The first object seen equal to `value`. Rules and meshes passed through this are found
+    by identity in the strategy caches below, not compared field by field on every hit."""
+    return value
+
+
+# Rules repeat (every layer, the forward and backward pass, each round of the device recursion):
+# strategies are computed once per rule structure and mesh.
+@functools.lru_cache(maxsize=1 << 16)
+def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool
+                ) -> tuple[Strategy, ...]:
     factors = sorted(rule.sizes)
     axes = [a for a, s in zip(mesh.names, mesh.sizes) if s > 1]
     found: list[tuple[int, dict]] = []
@@ -124,10 +146,10 @@ def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512,
                for f, ax in assignment.items()):
             found.append((sum(c is not None for c in choice), assignment))
     found.sort(key=lambda item: item[0])
-    options = [strategy(rule, mesh, a) for _, a in found[:limit]]
+    options = tuple(strategy(rule, mesh, a) for _, a in found[:limit])
     if not scatter:
         return options
-    return options + [v for s in options if (v := scattered(s, rule, mesh)) is not None]
+    return options + tuple(v for s in options if (v := scattered(s, rule, mesh)) is not None)
 
 
 def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> Strategy | None:
@@ -146,6 +168,7 @@ def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> Strategy | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def follow(rule: Rule, mesh: MeshShape, operand: int, spec: Spec) -> Strategy:
     """The strategy that keeps operand `operand` as `spec` arrives, as far as the rule allows.
 
