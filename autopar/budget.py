@@ -69,7 +69,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
             else:
                 lo = price
         price, d, p = min(fits, key=lambda f: f[2].cost["total_s"])
-        return d, _with_stats(p, price, len(tried), limit)
+        return d, _with_stats(p, price, tried, limit)
 
     found = search_prices(frozenset())
     if found is None:
@@ -82,8 +82,11 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
     return found
 
 
-def _with_stats(plan: Any, price: float, solves: int, limit: int) -> Any:
-    stats = dict(plan.search_stats, memory_price_s_per_byte=price, memory_solves=solves,
+def _with_stats(plan: Any, price: float, tried: list, limit: int) -> Any:
+    """The plan's stats with the price found, and the searches it took: their number and
+    their seconds together (`search_s` is the last search's alone)."""
+    stats = dict(plan.search_stats, memory_price_s_per_byte=price, memory_solves=len(tried),
+                 memory_search_s=sum(p.search_stats["search_s"] for _, _, p in tried),
                  memory_limit_bytes=limit)
     if price > 0:  # the fastest fitting plan found; no proof that none faster fits
         stats["exact"] = False
