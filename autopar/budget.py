@@ -105,13 +105,25 @@ def _layers_to_recompute(graph: OpGraph, decisions: Any, mesh: MeshShape,
                    for i in steps for t in graph.program[i].outputs
                    if kind.get(t) == "activations")
 
-    chosen: frozenset = frozenset()
-    for layer in sorted(layers, key=lambda name: -kept(layers[name])):
-        chosen |= frozenset(layers[layer])
-        trial = dataclasses.replace(decisions, recompute=chosen)
-        if plan_memory(graph, trial, mesh).peak_bytes <= limit:
-            break
-    return chosen
+    order = sorted(layers, key=lambda name: -kept(layers[name]))
+
+    def first(n: int) -> frozenset:
+        return frozenset(i for name in order[:n] for i in layers[name])
+
+    def fits(n: int) -> bool:
+        trial = dataclasses.replace(decisions, recompute=first(n))
+        return plan_memory(graph, trial, mesh).peak_bytes <= limit
+
+    # The fewest layers that fit, by bisection: recomputing more layers keeps less, and a deep
+    # model has too many layers to estimate the plan once per layer.
+    lo, hi = 0, len(order)  # fits(hi) is assumed: with none fitting, all are recomputed
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return first(hi)
 
 
 def nothing_fits(lean: Any, limit: int, mesh: MeshShape) -> AutoparError:
