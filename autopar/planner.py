@@ -20,7 +20,7 @@ from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
-from autopar.problem import Problem, Unit, build_problem, make_units
+from autopar.problem import Problem, Unit, build_problem, kept_problem, make_units
 from autopar.recursive import solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
@@ -73,11 +73,13 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
                 "Fix: pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), "
                 "call autopar.shard(x, P(...)) in the model, or use "
                 "search='dynamic_programming'.")
-        problem = _full_problem(graph, mesh, hw, pinned, units, problems)
+        problem = kept_problem(problems, "full",
+                               lambda: build_problem(graph, mesh, hw, pinned, units=units))
         problem, solution = _propagate(problem.priced(graph, mesh, memory_weight), pinned)
         space = "propagation from the annotations"
     else:
-        problem = _full_problem(graph, mesh, hw, pinned, units, problems)
+        problem = kept_problem(problems, "full",
+                               lambda: build_problem(graph, mesh, hw, pinned, units=units))
         problem = problem.priced(graph, mesh, memory_weight)
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
             solution, space = search.solve(problem.graph, backend,
@@ -99,17 +101,6 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
                  objective_s=float(solution.cost), ops=len(graph.ops))
     return Decisions(inputs, ops), stats
-
-
-def _full_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec] | None,
-                  units: list[Unit], problems: dict | None) -> Problem:
-    """The unpriced problem of the whole mesh, from `problems` if it was built before."""
-    if problems is not None and "full" in problems:
-        return problems["full"]
-    problem = build_problem(graph, mesh, hw, pinned, units=units)
-    if problems is not None:
-        problems["full"] = problem
-    return problem
 
 
 def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,

@@ -12,7 +12,7 @@ import dataclasses
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -93,6 +93,16 @@ class Problem:
     def decode(self, choice: np.ndarray) -> list[Strategy]:
         """The strategy of every unit under the search's choice per node."""
         return [self.choices[u][int(choice[self.node_of[u]])] for u in range(len(self.units))]
+
+
+def kept_problem(problems: dict | None, key: Any, build: Callable[[], Problem]) -> Problem:
+    """The unpriced problem kept under `key` in `problems`, built (and kept) if it is not
+    there; built afresh when nothing is kept (`problems` None)."""
+    if problems is None:
+        return build()
+    if key not in problems:
+        problems[key] = build()
+    return problems[key]
 
 
 def make_units(graph: OpGraph) -> list[Unit]:

@@ -16,7 +16,7 @@ import search
 from autopar.cost.hardware import Hardware
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
-from autopar.problem import Extension, Problem, Unit, build_problem, make_units
+from autopar.problem import Extension, Problem, Unit, build_problem, kept_problem, make_units
 from autopar.rules.factors import Spec
 
 
@@ -57,7 +57,8 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         names = tuple(n for n in mesh.names if n in done or n == axis)
         sub = MeshShape(names, tuple(mesh.axis_size(n) for n in names))
         key = (axis, key)
-        if problems is None or key not in problems:
+
+        def build() -> Problem:  # called at once: the loop's variables are this round's
             sub_pins = None if pinned is None else {
                 t: tuple(tuple(a for a in axes if a in names) for axes in spec)
                 for t, spec in pinned.items()}
@@ -66,12 +67,9 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                 strategies = problem.decode(solution.choice)
                 extension = Extension(frozenset(done), {
                     u: dict(strategies[u].assignment) for u in range(len(problem.units))})
-            built = build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
-            if problems is not None:
-                problems[key] = built
-        else:
-            built = problems[key]
-        problem = built.priced(graph, sub, memory_weight)
+            return build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
+
+        problem = kept_problem(problems, key, build).priced(graph, sub, memory_weight)
         solution, exact = solve_round(problem)
         exact_rounds += exact
         done.append(axis)
