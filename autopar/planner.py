@@ -13,8 +13,8 @@ import search
 from autopar.annotate import Annotations, resolve as resolve_annotations
 from autopar.budget import plan_within
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import (op_collectives, op_time, reshard_collectives, reshard_time,
-                                shard_bytes)
+from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
+                                reshard_time, shard_bytes)
 from autopar.memory import memory_json, plan_memory, recomputed_layers, recomputed_ops
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
@@ -52,7 +52,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
           ) -> tuple[Decisions, dict]:
     """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
     (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
-    device charged `memory_weight` seconds (see build_problem).
+    device charged `memory_weight` seconds (see Problem.priced).
 
     A caller that searches one graph, mesh and pins more than once (at several memory prices)
     passes `units` (make_units(graph)) and a `problems` dict, which keeps the problems built,
@@ -62,6 +62,11 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     units = make_units(graph) if units is None else units
+
+    def full() -> Problem:  # the whole mesh's problem at this price
+        return kept_problem(problems, "full", lambda: build_problem(
+            graph, mesh, hw, pinned, units=units)).priced(graph, mesh, memory_weight)
+
     if backend == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
                                                    memory_weight, problems)
@@ -73,14 +78,10 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
                 "Fix: pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), "
                 "call autopar.shard(x, P(...)) in the model, or use "
                 "search='dynamic_programming'.")
-        problem = kept_problem(problems, "full",
-                               lambda: build_problem(graph, mesh, hw, pinned, units=units))
-        problem, solution = _propagate(problem.priced(graph, mesh, memory_weight), pinned)
+        problem, solution = _propagate(full(), pinned)
         space = "propagation from the annotations"
     else:
-        problem = kept_problem(problems, "full",
-                               lambda: build_problem(graph, mesh, hw, pinned, units=units))
-        problem = problem.priced(graph, mesh, memory_weight)
+        problem = full()
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
@@ -188,8 +189,7 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
     for op, st in zip(graph.ops, decisions.ops):
-        key = (op.primitive, op.repeat, str(op.params.get("dimension_numbers")), st,
-               tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
+        key = (op_signature(op, tensors), st)
         if key not in known:
             known[key] = (op_time(op, st, tensors, mesh, hw),
                           op_collectives(op, st, tensors, mesh))

@@ -18,7 +18,7 @@ import numpy as np
 
 import search
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_time, reshard_terms, shard_bytes
+from autopar.cost.model import op_signature, op_time, reshard_terms, shard_bytes
 from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
@@ -46,8 +46,7 @@ class Unit:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     op: Op | None  # None for an input of the step
-    # Equal for ops that cost the same under the same strategy (the same layer in every block)
-    cost_key: tuple = ()
+    cost_key: tuple = ()  # cost.model.op_signature of the op
     tie: int | None = None  # the first unit of its kind, for an instance of a repeated layer
 
 
@@ -79,9 +78,9 @@ class Problem:
     memory: list[np.ndarray] | None = None  # node -> bytes it keeps per device, per strategy
 
     def priced(self, graph: OpGraph, mesh: MeshShape, weight: float) -> Problem:
-        """This problem with each byte kept per device charged `weight` seconds (see
-        build_problem). The unpriced problem stays as it is: a search at another price reuses
-        it instead of building it again."""
+        """This problem with each byte per device it keeps of the step's inputs, activations
+        and gradients charged `weight` seconds, so that the search trades time for memory. The
+        unpriced problem stays as it is: a search at another price reuses it."""
         if weight <= 0:
             return self
         if self.memory is None:
@@ -124,10 +123,8 @@ def make_units(graph: OpGraph) -> list[Unit]:
             missing[op.primitive].append(op.source)
             rule = replicated_rule(ins, outs)
         rule = canonical(rule)
-        cost_key = (op.primitive, rule.key, op.repeat, str(op.params.get("dimension_numbers")),
-                    tuple((graph.tensors[t].shape, graph.tensors[t].dtype)
-                          for t in (*op.inputs, *op.outputs)))
-        units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op, cost_key))
+        units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
+                          op_signature(op, graph.tensors)))
     for primitive, sources in missing.items():
         where = "; ".join(sorted(set(sources))[:3]) + (" ..." if len(set(sources)) > 3 else "")
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
@@ -156,8 +153,7 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
-                  tie_layers: bool = True, units: list[Unit] | None = None,
-                  memory_weight: float = 0.0) -> Problem:
+                  tie_layers: bool = True, units: list[Unit] | None = None) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of tensors by id (inputs, and results of `autopar.shard`): the
@@ -166,8 +162,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     made for: a round of the device recursion adds one axis to the rounds before.
     `tie_layers` gives every instance of a repeated layer the strategies of the first one.
     `units` (from make_units) saves computing the rules again when one graph is planned twice.
-    `memory_weight` (seconds per byte) adds to each strategy the bytes per device it keeps of
-    the step's inputs, activations and gradients, so that the search trades time for memory.
+    The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
     units = make_units(graph) if units is None else units
     mesh = canonical(mesh)
@@ -216,8 +211,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
 
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
-    problem = Problem(cost_graph, units, node_of, choices, producer, roots)
-    return problem.priced(graph, mesh, memory_weight)
+    return Problem(cost_graph, units, node_of, choices, producer, roots)
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
@@ -297,7 +291,7 @@ class _Resharding:
         self.mesh, self.hw = mesh, hw
         self._specs: dict[tuple, tuple[list[Strategy], tuple[Spec, ...]]] = {}
         self._lists: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
-        self._terms: dict[tuple, tuple[tuple, tuple, np.ndarray, np.ndarray]] = {}
+        self._terms: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def specs(self, strategies: list[Strategy], side: str, index: int) -> tuple[Spec, ...]:
         """The spec of operand (side 'in') or result ('out') `index` under each strategy, as
@@ -319,8 +313,8 @@ class _Resharding:
             table = np.array([reshard_terms(s, d, self.mesh) for s in src_list for d in dst_list],
                              dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
             table = table[src_idx, dst_idx] if paired else table[np.ix_(src_idx, dst_idx)]
-            self._terms[key] = (srcs, dsts, table[..., 0], table[..., 1])
-        count, fraction = self._terms[key][2:]
+            self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
+        count, fraction = self._terms[key]
         return count * self.hw.link_latency + fraction * (tensor.nbytes / self.hw.link_bandwidth)
 
 

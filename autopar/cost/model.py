@@ -65,6 +65,13 @@ def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:
     return float(max([out_elems] + [math.prod(t.shape) for t in ins]))
 
 
+def op_signature(op: Op, tensors: Sequence[Tensor]) -> tuple:
+    """Equal for operators that cost the same under the same strategy (the same operator of
+    every block): op_time and op_collectives read nothing else of the op."""
+    return (op.primitive, op.repeat, str(op.params.get("dimension_numbers")),
+            tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
+
+
 def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape,
             hw: Hardware) -> tuple[float, float]:
     """(compute seconds, communication seconds) of the op under `strategy`, per step."""
