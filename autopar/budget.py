@@ -8,6 +8,14 @@ Charged for memory, the search shards what it would have replicated: optimizer s
 gradients along the data axis first (their reduce-scatter costs what the all-reduce did), then
 parameters (FSDP), then activations. The recursive backend, charged heavily, splits memory first.
 
+A price finds only the plans on the convex hull of (time, memory); the fastest fitting plan
+may lie above it. With dynamic_programming, where exact tables fit, the price search's answer
+is then improved and proven: branch and bound (search.constrained) finds the fastest plan whose
+kept bytes (memory.kept_bytes, the additive model the price charges) are at most the answer's,
+and bisection raises that cap towards the kept bytes of the fastest plan that did not fit,
+keeping the largest cap whose proven plan fits the limit. The proof is about the kept-bytes
+model; whether a plan fits is the liveness estimate's verdict (docs/decisions.md).
+
 When no price makes the plan fit, the backward pass recomputes layers (those keeping the most
 activations first) until the leanest plan fits, and the prices are searched again with those
 layers recomputed. When even that does not fit, an AutoparError gives the least memory found
@@ -22,24 +30,28 @@ from typing import Any, Callable
 from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
-from autopar.memory import layer_steps, mib, plan_memory, roles
+from autopar.memory import kept_bytes, layer_steps, mib, plan_memory, roles
 from autopar.mesh import MeshShape
+from search import SearchTooLargeError
 
 RAISES = 12  # price rises of 8x before giving up on prices alone (8**12 ~ 7e10)
 BISECTIONS = 5
+CAP_BISECTIONS = 3  # proven searches that raise the kept-bytes cap
 
-# (memory price in seconds per byte, forward steps to recompute) -> (decisions, plan)
-Attempt = Callable[[float, frozenset], tuple[Any, Any]]
+# (memory price in seconds per byte, forward steps to recompute, cap on kept bytes or None)
+#  -> (decisions, plan); with a cap, SearchTooLargeError where the answer cannot be proven
+Attempt = Callable[[float, frozenset, "float | None"], tuple[Any, Any]]
 
 
 def peak(plan: Any) -> int:
     return int(plan.cost["peak_memory_bytes"])
 
 
-def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | None
-                ) -> tuple[Any, Any]:
-    """The fastest plan `attempt` finds that fits `limit` bytes per device (see module doc)."""
-    decisions, plan = attempt(0.0, frozenset())
+def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | None,
+                exact: bool = False) -> tuple[Any, Any]:
+    """The fastest plan `attempt` finds that fits `limit` bytes per device (see module doc).
+    `exact`: `attempt` takes a cap on kept bytes (dynamic_programming)."""
+    decisions, plan = attempt(0.0, frozenset(), None)
     if limit is None or peak(plan) <= limit:
         return decisions, plan
     tried = [(0.0, decisions, plan)]
@@ -50,7 +62,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
         lo, hi, fits = 0.0, None, []
         for k in range(RAISES + 1):
             price = 0.0 if (k == 0 and recompute) else start * 8.0 ** k
-            d, p = attempt(price, recompute)
+            d, p = attempt(price, recompute, None)
             tried.append((price, d, p))
             if peak(p) <= limit:
                 hi = price
@@ -61,7 +73,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
             return None
         for _ in range(BISECTIONS if hi > 0 else 0):
             price = math.sqrt(lo * hi) if lo > 0 else hi / 8
-            d, p = attempt(price, recompute)
+            d, p = attempt(price, recompute, None)
             tried.append((price, d, p))
             if peak(p) <= limit:
                 hi = price
@@ -69,6 +81,9 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
             else:
                 lo = price
         price, d, p = min(fits, key=lambda f: f[2].cost["total_s"])
+        proven = _proven(attempt, graph, mesh, limit, recompute, d, tried) if exact else None
+        if proven is not None:
+            return proven[0], _with_stats(proven[1], None, tried, limit)
         return d, _with_stats(p, price, tried, limit)
 
     found = search_prices(frozenset())
@@ -82,13 +97,41 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
     return found
 
 
-def _with_stats(plan: Any, price: float, tried: list, limit: int) -> Any:
-    """The plan's stats with the price found, and the searches it took: their number and
-    their seconds together (`search_s` is the last search's alone)."""
-    stats = dict(plan.search_stats, memory_price_s_per_byte=price, memory_solves=len(tried),
-                 memory_search_s=sum(p.search_stats["search_s"] for _, _, p in tried),
-                 memory_limit_bytes=limit)
-    if price > 0:  # the fastest fitting plan found; no proof that none faster fits
+def _proven(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int,
+            recompute: frozenset, fitting: Any, tried: list) -> tuple[Any, Any] | None:
+    """The proven fastest plan under the largest kept-bytes cap tried whose plan fits `limit`,
+    starting at the kept bytes of `fitting` (the price search's answer) and bisecting towards
+    the least kept bytes among the faster plans that did not fit (module doc). None where the
+    search cannot prove (tables too large) or the first proven plan does not fit."""
+    lo = kept_bytes(graph, fitting, mesh)
+    over = [kept_bytes(graph, d, mesh) for _, d, p in tried
+            if peak(p) > limit and d.recompute == recompute]
+    hi = min((k for k in over if k > lo), default=None)
+    cap, best = float(lo), None
+    for _ in range(1 + CAP_BISECTIONS):
+        try:
+            d, p = attempt(0.0, recompute, cap)
+        except SearchTooLargeError:
+            return None
+        tried.append((None, d, p))
+        if peak(p) <= limit:
+            best, lo = (d, p), cap
+        else:
+            hi = cap
+        if best is None or hi is None:
+            break
+        cap = (lo + hi) / 2
+    return best
+
+
+def _with_stats(plan: Any, price: float | None, tried: list, limit: int) -> Any:
+    """The plan's stats with the price found (None: proven under a kept-bytes cap), and the
+    searches it took: their number and their seconds together (`search_s` is the last
+    search's alone)."""
+    stats = dict(plan.search_stats, memory_price_s_per_byte=price or 0.0,
+                 memory_solves=len(tried), memory_limit_bytes=limit,
+                 memory_search_s=sum(p.search_stats["search_s"] for _, _, p in tried))
+    if price is not None and price > 0:  # the fastest fitting found; no proof none faster fits
         stats["exact"] = False
     return dataclasses.replace(plan, search_stats=stats)
 

@@ -139,6 +139,15 @@ def operand_reshards(graph: OpGraph, decisions: Any) -> dict[tuple[int, int], Sp
     return out
 
 
+def kept_bytes(graph: OpGraph, decisions: Any, mesh: MeshShape) -> int:
+    """The bytes per device `decisions` keep of the step's inputs, activations and gradients:
+    the search's model of memory, additive over strategies (problem.Problem.kept prices the
+    same tensors strategy by strategy), which a memory budget bounds exactly."""
+    specs = decisions.tensor_specs(graph)
+    return sum(int(shard_bytes(graph.tensors[t], specs[t], mesh)) for t in roles(graph)
+               if not graph.tensors[t].const)
+
+
 def plan_memory(graph: OpGraph, decisions: Any, mesh: MeshShape) -> MemoryEstimate:
     """The memory estimate of `decisions` (with their recomputed steps)."""
     return estimate(graph, decisions.tensor_specs(graph), mesh,

@@ -21,13 +21,20 @@ from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.problem import Problem, Unit, build_problem, kept_problem, make_units
-from autopar.recursive import solve_recursive
+from autopar.recursive import rounds_within, solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
 
 BACKENDS = ("dynamic_programming", "recursive_programming", "sharding_propagation")
 EXACT_TABLE_LIMIT = 2e7  # entries of the largest table exact elimination may build
-BOUNDED_TABLE_LIMIT = 1e6  # table size of mini-bucket elimination (larger is slower, not better)
+# Table size of mini-bucket elimination. Larger tables tighten its lower bound, not its answer:
+# 3e5 against 1e6 gave the same plans on the example and on 12-layer GPTs at 8 to 1,024
+# devices, in a quarter of the time on the example, with bounds 0.1 to 0.6 points weaker.
+BOUNDED_TABLE_LIMIT = 3e5
+# Parts of the search space a proof under a kept-bytes cap explores before it settles for its
+# best plan and bound: the 4-layer GPT of the memory benchmark finds its optimum within 40 and
+# needs 113 to 153 (20 to 28 s) to prove it (docs/decisions.md).
+PROOF_PARTS = 40
 
 
 @dataclass
@@ -48,11 +55,15 @@ class Decisions:
 
 def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
           pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0,
-          units: list[Unit] | None = None, problems: dict | None = None
-          ) -> tuple[Decisions, dict]:
+          units: list[Unit] | None = None, problems: dict | None = None,
+          kept_budget: float | None = None) -> tuple[Decisions, dict]:
     """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
     (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
     device charged `memory_weight` seconds (see Problem.priced).
+
+    With `kept_budget` (dynamic_programming only), the fastest plan keeping at most that many
+    bytes per device (memory.kept_bytes), proven by branch and bound (search.constrained);
+    SearchTooLargeError where the full problem is too wide for exact tables.
 
     A caller that searches one graph, mesh and pins more than once (at several memory prices)
     passes `units` (make_units(graph)) and a `problems` dict, which keeps the problems built,
@@ -67,7 +78,19 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
         return kept_problem(problems, "full", lambda: build_problem(
             graph, mesh, hw, pinned, units=units)).priced(graph, mesh, memory_weight)
 
-    if backend == "recursive_programming":
+    if kept_budget is not None:
+        if backend != "dynamic_programming":
+            raise ValueError("kept_budget is a dynamic_programming search")
+        problem = full()
+        if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) > EXACT_TABLE_LIMIT:
+            raise search.SearchTooLargeError("exact tables exceed EXACT_TABLE_LIMIT")
+        solution = search.solve_constrained(problem.graph, problem.kept(graph, mesh),
+                                            kept_budget, max_factor_size=EXACT_TABLE_LIMIT,
+                                            max_parts=PROOF_PARTS)
+        extra = {"kept_bytes": solution.stats.pop("use"),
+                 "kept_budget_bytes": solution.stats.pop("budget")}
+        space = "full, kept bytes within a budget"
+    elif backend == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
                                                    memory_weight, problems)
         space = "one axis at a time"
@@ -86,8 +109,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
         else:
-            problem, solution, space = _best_within_bound(graph, mesh, hw, pinned, problem,
-                                                          memory_weight, problems)
+            solution, space = _best_within_bound(problem, mesh)
     t1 = time.perf_counter()
     strategies = problem.decode(solution.choice)
     by_tensor = {}
@@ -104,27 +126,25 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     return Decisions(inputs, ops), stats
 
 
-def _best_within_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                       pinned: dict[int, Spec] | None, full: Problem, memory_weight: float,
-                       problems: dict | None) -> tuple[Problem, search.Solution, str]:
+def _best_within_bound(full: Problem, mesh: MeshShape) -> tuple[search.Solution, str]:
     """The cheaper of two answers when exact tables for the full space do not fit.
 
     A training step's forward and backward passes share activations and parameters, which makes
     its graph too wide for exact elimination on meshes of several axes (docs/decisions.md).
     Bounded elimination of the full space gives a plan and a lower bound on the optimum; the
-    axis-by-axis recursion gives a second plan. The cheaper wins, and the bound says how far
-    from optimal it can be.
+    axis-by-axis recursion within the same problem (`rounds_within`: no problem is built per
+    round) gives a second plan. The cheaper wins, and the bound says how far from optimal it
+    can be.
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
-    rounds_problem, rounds_answer, _ = solve_recursive(graph, mesh, hw, pinned, full.units,
-                                                       memory_weight, problems)
-    candidates = [(full, bounded, "full"), (rounds_problem, rounds_answer, "one axis at a time")]
-    problem, best, space = min(candidates, key=lambda c: c[1].cost)
+    rounds_answer, _ = rounds_within(full, mesh)
+    candidates = [(bounded, "full"), (rounds_answer, "one axis at a time")]
+    best, space = min(candidates, key=lambda c: c[0].cost)
     bound = bounded.stats["lower_bound"]
     gap = 0.0 if best.cost <= bound else (best.cost - bound) / best.cost
     stats = {**best.stats, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
              "bounded_elimination_s": bounded.cost, "one_axis_at_a_time_s": rounds_answer.cost}
-    return problem, search.Solution(best.choice, best.cost, stats), space
+    return search.Solution(best.choice, best.cost, stats), space
 
 
 def _propagate(problem: Problem, pinned: dict[int, Spec]) -> tuple[Problem, search.Solution]:
@@ -272,17 +292,19 @@ def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hard
 
         problems: dict = {}  # built once for this mesh, searched at every memory price
 
-        def attempt(price: float, recompute: frozenset, shape: MeshShape = shape,
-                    pinned: dict[int, Spec] = pinned, problems: dict = problems
-                    ) -> tuple[Decisions, Plan]:
-            decisions, stats = solve(graph, shape, hw, backend, pinned, price, units, problems)
+        def attempt(price: float, recompute: frozenset, kept_budget: float | None,
+                    shape: MeshShape = shape, pinned: dict[int, Spec] = pinned,
+                    problems: dict = problems) -> tuple[Decisions, Plan]:
+            decisions, stats = solve(graph, shape, hw, backend, pinned, price, units, problems,
+                                     kept_budget)
             decisions = dataclasses.replace(decisions, recompute=recompute)
             stats["trace_s"] = t1 - t0
             return decisions, assemble(graph, decisions, shape, hw, backend, stats, in_tree,
                                        out_tree, pinned, memory_limit)
 
         try:
-            decisions, plan = plan_within(attempt, graph, shape, memory_limit)
+            decisions, plan = plan_within(attempt, graph, shape, memory_limit,
+                                          exact=backend == "dynamic_programming")
         except AutoparError as e:  # nothing fits this mesh: the error to report
             fit_error = fit_error or e
             continue

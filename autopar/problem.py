@@ -83,11 +83,17 @@ class Problem:
         unpriced problem stays as it is: a search at another price reuses it."""
         if weight <= 0:
             return self
+        costs = tuple(c + weight * m for c, m in zip(self.graph.node_costs,
+                                                     self.kept(graph, mesh)))
+        return dataclasses.replace(self, graph=self.graph.with_node_costs(costs))
+
+    def kept(self, graph: OpGraph, mesh: MeshShape) -> list[np.ndarray]:
+        """Per node and strategy, the bytes per device its units keep of the step's inputs,
+        activations and gradients (memory.kept_bytes of a whole plan is their sum)."""
         if self.memory is None:
             self.memory = _memory_bytes(graph, self.units, self.choices, self.node_of,
                                         canonical(mesh), self.roots)
-        costs = tuple(c + weight * m for c, m in zip(self.graph.node_costs, self.memory))
-        return dataclasses.replace(self, graph=self.graph.with_node_costs(costs))
+        return self.memory
 
     def decode(self, choice: np.ndarray) -> list[Strategy]:
         """The strategy of every unit under the search's choice per node."""

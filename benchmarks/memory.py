@@ -72,7 +72,8 @@ def run(cases: dict[str, Callable[[], tuple]], mesh_axes: dict[str, int],
                 params_sharded=_sharded_share(plan, optimizer=False),
                 optimizer_sharded=_sharded_share(plan, optimizer=True),
                 reduce_scatter_bytes=plan.cost.get("reduce-scatter_bytes", 0.0),
-                recompute=list(plan.recompute), solves=plan.search_stats.get("memory_solves", 1))
+                recompute=list(plan.recompute), solves=plan.search_stats.get("memory_solves", 1),
+                proof=_proof(plan.search_stats))
             rows.append(row)
             log(f"{name} budget {fraction}: {row['estimated_ms']:.3f} ms, predicted "
                 f"{mib(row['predicted_bytes'])}, compiled {mib(compiled)}, recompute "
@@ -81,18 +82,29 @@ def run(cases: dict[str, Callable[[], tuple]], mesh_axes: dict[str, int],
             "devices": f"{len(jax.devices())} x {jax.devices()[0].device_kind}"}
 
 
+def _proof(stats: dict[str, Any]) -> str:
+    """What the search proved about the plan: optimal outright, optimal (or within a gap)
+    among plans keeping at most a cap of bytes, or nothing (the price search's best)."""
+    if "memory_price_s_per_byte" not in stats:
+        return "optimal" if stats.get("exact") else f"gap {stats.get('gap', 0):.1%}"
+    if "kept_budget_bytes" not in stats:
+        return "none (price)"
+    cap = f"kept <= {stats['kept_budget_bytes'] / 2**20:.2f} MiB"
+    return f"fastest with {cap}" if stats["exact"] else f"within {stats['gap']:.1%}, {cap}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"Plans for shrinking budgets (hardware profile `{result['hardware']}`, mesh "
              f"{result['mesh']}, {result['devices']}; compiled = memory_analysis of the "
              "compiled step on these devices: arguments + outputs + temporaries - aliased).", "",
              "| model | budget (x unconstrained peak) | budget MiB | est. ms | predicted MiB "
              "| compiled MiB | pred. / compiled | compiled fits | params sharded | opt. state "
-             "sharded | reduce-scatter | recomputed layers | solves | plan s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sharded | reduce-scatter | recomputed layers | proven | solves | plan s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["memory"]:
         head = (f"| {r['model']} | {r['fraction']} | {r['limit_bytes'] / 2**20:.2f} | ")
         if "error" in r:
-            lines.append(head + f"nothing fits: {r['error']} |" + " |" * 10)
+            lines.append(head + f"nothing fits: {r['error']} |" + " |" * 11)
             continue
         lines.append(
             head + f"{r['estimated_ms']:.3f} | {r['predicted_bytes'] / 2**20:.2f} | "
@@ -100,5 +112,5 @@ def markdown(result: dict[str, Any]) -> str:
             f" | {'yes' if r['compiled_bytes'] <= r['limit_bytes'] else 'no'} | "
             f"{r['params_sharded']:.0%} | {r['optimizer_sharded']:.0%} | "
             f"{'yes' if r['reduce_scatter_bytes'] else 'no'} | {len(r['recompute'])} | "
-            f"{r['solves']} | {r['plan_s']:.1f} |")
+            f"{r['proof']} | {r['solves']} | {r['plan_s']:.1f} |")
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
 from . import sharding_propagation as sharding_propagation  # noqa: E402
 from .bounded import solve_bounded
+from .constrained import solve_constrained
 from .brute_force import solve_brute_force
 from .width import largest_table
 from .dynamic_programming import solve_dynamic_programming
@@ -39,6 +40,7 @@ __all__ = [
     "register_backend",
     "solve",
     "solve_bounded",
+    "solve_constrained",
     "solve_brute_force",
     "solve_dynamic_programming",
     "solve_recursive_programming",

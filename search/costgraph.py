@@ -116,11 +116,24 @@ class CostGraph:
                       for i, v in enumerate(node_costs))
         if [c.shape for c in costs] != [c.shape for c in self.node_costs]:
             raise ValueError("with_node_costs: the new costs must have the old shapes")
-        clone = object.__new__(CostGraph)
-        for name, value in (("node_costs", costs), ("edges", self.edges),
-                            ("node_names", self.node_names)):
-            object.__setattr__(clone, name, value)
-        return clone
+        return _unchecked(costs, self.edges, self.node_names)
+
+    def restricted(self, keep: Sequence[np.ndarray]) -> CostGraph:
+        """The graph with only the strategies `keep` (a boolean mask per node, none empty)
+        selects: strategy ``j`` of a node here is ``np.flatnonzero(keep[node])[j]`` there."""
+        idx = [np.flatnonzero(k) for k in keep]
+        if len(idx) != self.num_nodes() or any(
+                i.size == 0 or len(k) != c.shape[0]
+                for i, k, c in zip(idx, keep, self.node_costs)):
+            raise ValueError("restricted: one non-empty mask per node, as long as its costs")
+
+        def frozen(a: np.ndarray) -> np.ndarray:
+            a.flags.writeable = False
+            return a
+
+        costs = tuple(frozen(c[i]) for c, i in zip(self.node_costs, idx))
+        edges = tuple((u, v, frozen(m[np.ix_(idx[u], idx[v])])) for u, v, m in self.edges)
+        return _unchecked(costs, edges, self.node_names)
 
     def num_nodes(self) -> int:
         """Number of nodes."""
@@ -174,6 +187,14 @@ class CostGraph:
         for u, v, mat in self.edges:
             total += float(mat[idx[u], idx[v]])
         return total
+
+
+def _unchecked(costs: tuple, edges: tuple, names: tuple) -> CostGraph:
+    """A CostGraph of parts taken from a validated one, without validating them again."""
+    graph = object.__new__(CostGraph)
+    for name, value in (("node_costs", costs), ("edges", edges), ("node_names", names)):
+        object.__setattr__(graph, name, value)
+    return graph
 
 
 class CostGraphBuilder:

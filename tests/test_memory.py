@@ -7,9 +7,11 @@ import pytest
 
 import autopar
 import models
-from autopar.memory import parse_bytes
+from autopar import budget
+from autopar.memory import kept_bytes, parse_bytes
+from autopar.mesh import mesh_shape
 from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
-from autopar.planner import assemble, solve
+from autopar.planner import assemble, plan_step, solve
 from autopar.problem import make_units
 from autopar.trace import trace
 from helpers import check_against_single_device, copy_tree, global_relative_error
@@ -63,6 +65,26 @@ def test_state_four_times_the_budget_fits_and_trains():
     # the search sharded the optimizer state along the data axis (ZeRO)
     opt = [t for t in plan.inputs if "/mu/" in t.path and "kernel" in t.path]
     assert opt and all(any(t.spec) for t in opt)
+
+
+def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone(monkeypatch):
+    """Under a budget, dynamic_programming proves its plan the fastest of those keeping at most
+    the kept-bytes cap it reports; prices alone find no faster fitting plan."""
+    step, state, batch = mlp()
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+    shape, limit = mesh_shape({"data": 8}), state_bytes // 4
+    graph, decisions, plan = plan_step(step, (state, batch), shape, SLOW_LINKS,
+                                       "dynamic_programming", memory_limit=limit)
+    stats = plan.search_stats
+    assert stats["exact"] and stats["gap"] == 0 and plan.cost["peak_memory_bytes"] <= limit
+    assert stats["parts"] > 1, "the budget should need branching beyond the prices' hull"
+    # the search's additive model is the plan's kept bytes, and the cap holds
+    assert stats["kept_bytes"] == kept_bytes(graph, decisions, shape) <= stats["kept_budget_bytes"]
+    monkeypatch.setattr(budget, "_proven", lambda *args: None)
+    priced = plan_step(step, (state, batch), shape, SLOW_LINKS, "dynamic_programming",
+                       memory_limit=limit)[2]
+    assert not priced.search_stats["exact"]
+    assert plan.cost["total_s"] <= priced.cost["total_s"] * (1 + 1e-12)
 
 
 def test_generous_budget_gives_the_unconstrained_optimum():

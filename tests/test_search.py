@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import os
 import subprocess
@@ -306,6 +307,22 @@ def test_with_node_costs_keeps_edges_and_checks_costs() -> None:
         graph.with_node_costs([np.zeros(3), np.zeros(1)])
     with pytest.raises(ValueError, match="NaN"):
         graph.with_node_costs([np.array([0.0, math.nan]), np.zeros(1)])
+
+
+def test_restricted_keeps_the_selected_strategies() -> None:
+    graph = _random_small_graph(7, "dense")
+    rng = np.random.default_rng(1)
+    keep = []
+    for c in graph.node_costs:
+        mask = rng.random(c.shape[0]) < 0.6
+        mask[int(rng.integers(c.shape[0]))] = True
+        keep.append(mask)
+    small = graph.restricted(keep)
+    idx = [np.flatnonzero(k) for k in keep]
+    for choice in itertools.product(*(range(len(i)) for i in idx)):
+        assert small.total_cost(choice) == graph.total_cost([i[c] for i, c in zip(idx, choice)])
+    with pytest.raises(ValueError, match="non-empty"):
+        graph.restricted([np.zeros_like(k) for k in keep])
 
 
 def test_too_large_suggests_recursive_programming() -> None:
