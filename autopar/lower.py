@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from autopar.cost.model import partial_split
 from autopar.ir import OpGraph
 from autopar.memory import backward_steps, recomputed_layer_of
 from autopar.planner import Decisions
@@ -35,6 +36,15 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
     backward = backward_steps(graph) if recompute else set()
     made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
     layer_of = recomputed_layer_of(graph, recompute)
+    # Steps that are one planning op whose partial sums need explicit collectives: run under
+    # shard_map with psum / psum_scatter (see `_explicit`).
+    op_of = {op.outputs[0]: op for op in graph.ops if len(op.outputs) == 1}
+    explicit = {}
+    for i, step in enumerate(graph.program):
+        op = op_of.get(step.outputs[0]) if _one_result(step) else None
+        if op is not None and op.inputs == step.inputs and (
+                how := _explicit(op.primitive, decisions.ops[op.id])) is not None:
+            explicit[i] = how
 
     def constrain(value: Any, spec: Spec) -> Any:
         primitive, params = _constraint(mesh, spec)
@@ -57,7 +67,10 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
             eqn = step.eqn
             params = eqn.primitive.get_bind_params(eqn.params)
             with eqn.ctx.manager:
-                out = eqn.primitive.bind(*values, **params)
+                if i in explicit:
+                    out = _bind_explicit(mesh, eqn.primitive, params, values, *explicit[i])
+                else:
+                    out = eqn.primitive.bind(*values, **params)
             results = out if eqn.primitive.multiple_results else [out]
         return [constrain(v, produced[t]) if produced.get(t) else v
                 for t, v in zip(step.outputs, results)]
@@ -115,6 +128,64 @@ def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
         out_shardings=[named(s) for s in out_specs],
         donate_argnums=tuple(sorted(set(graph.state_pairs.values()))),
     )
+
+
+def _one_result(step: Any) -> bool:
+    return (step.eqn is not None and not step.eqn.primitive.multiple_results
+            and len(step.outputs) == 1)
+
+
+# Primitives whose partial sums the lowering may resolve itself: their local result on each
+# device is its share of the sum (no replicated operand added in, as scatter-add has).
+_LINEAR = ("dot_general", "reduce_sum")
+
+
+def _explicit(primitive: str, st: Any) -> tuple | None:
+    """(strategy, axes to all-reduce, axes to reduce-scatter, the result dimension they
+    scatter) where the plan's collective for the op's partial sums must be written out, None
+    where sharding constraints get it from XLA as planned.
+
+    Two cases XLA's partitioner, given only the shardings, does not compile as planned:
+    - partial sums over reduction factors sharded over different axes (a contraction over heads
+      on one axis and head_dim on another): one all-reduce per factor, chained, each of the
+      full result, where the plan has one over all the axes;
+    - a reduce-scatter: an all-reduce of the full result and a dynamic-slice, which only the
+      GPU compiler's ReduceScatterCreator pass turns into a reduce-scatter (the CPU compiler
+      has no such pass).
+    psum_scatter splits each device's block, so the scattered axes must come after any axes
+    already on that dimension; otherwise (rare) XLA is left to it."""
+    if primitive not in _LINEAR or len(st.out_specs) != 1 or not st.partial_axes:
+        return None
+    spec = st.out_specs[0]
+    scatter, reduce = partial_split(st, spec)
+    factors = sum(1 for _, axes in st.assignment if set(axes) <= set(st.partial_axes))
+    if not scatter:
+        return (st, tuple(reduce), (), 0) if factors > 1 else None
+    dims = [d for d, axes in enumerate(spec) if set(axes) & set(scatter)]
+    if len(dims) != 1:
+        return None
+    axes = spec[dims[0]]
+    if tuple(a for a in axes if a in scatter) != tuple(axes[len(axes) - len(scatter):]):
+        return None
+    return st, tuple(reduce), tuple(axes[len(axes) - len(scatter):]), dims[0]
+
+
+def _bind_explicit(mesh: Mesh, primitive: Any, params: dict, values: list, st: Any,
+                   reduce: tuple, scatter: tuple, dim: int) -> Any:
+    """`primitive` on each device's shards, its partial sums all-reduced over `reduce` (one
+    collective) and reduce-scattered over `scatter` along `dim`."""
+    def local(*xs: Any) -> Any:
+        y = primitive.bind(*xs, **params)
+        if reduce:
+            y = jax.lax.psum(y, reduce)
+        if scatter:
+            y = jax.lax.psum_scatter(y, scatter, scatter_dimension=dim, tiled=True)
+        return y
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=tuple(to_partition_spec(s) for s in st.in_specs),
+                         out_specs=to_partition_spec(st.out_specs[0]),
+                         check_vma=False)(*values)
 
 
 def _after(value: Any, anchor: Any) -> Any:

@@ -99,13 +99,21 @@ def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]
 def reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
                    ) -> tuple[float, list[str], list[str]]:
     """The share of the tensor one device holds under `src`, the axes that move to another
-    dimension (one all-to-all) and the axes dropped (one all-gather over all of them, as XLA
-    emits it); axes added are free (each device keeps its slice)."""
+    dimension (one all-to-all) and the axes dropped (gathered: see `gathers`); axes added are
+    free (each device keeps its slice)."""
     where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
     where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
     moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
     dropped = [a for a in where_src if a not in where_dst]
     return 1.0 / group_size(mesh, list(where_src)), moved, dropped
+
+
+def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[int]:
+    """The all-gathers that drop `dropped` from `src`, as XLA emits them: one per tensor
+    dimension losing axes (all its dropped axes at once), the last dimension first; each as
+    the factor by which it grows the buffer."""
+    return [n for axes in reversed(src)
+            if (n := group_size(mesh, [a for a in axes if a in dropped])) > 1]
 
 
 @functools.lru_cache(maxsize=1 << 20)
@@ -121,12 +129,11 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
     if moved:
         n = group_size(mesh, moved)
         count, fraction = 1, (n - 1) / (2 * n) * share
-    # The all-gather's bandwidth term equals that of gathering axis by axis.
-    for a in dropped:
-        n = mesh.axis_size(a)
+    # One all-gather per dimension (see `gathers`); gathering step by step moves the bytes
+    # one all-gather over all the axes would.
+    for n in gathers(src, dropped, mesh):
         share *= n
         fraction += (n - 1) / n * share
-    if group_size(mesh, dropped) > 1:
         count += 1
     return count, fraction
 
@@ -140,8 +147,9 @@ def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
     out = {}
     if moved:
         out["all-to-all"] = held
-    if group_size(mesh, dropped) > 1:
-        out["all-gather"] = held * group_size(mesh, dropped)
+    for n in gathers(src, dropped, mesh):
+        held *= n
+        out["all-gather"] = out.get("all-gather", 0.0) + held
     return out
 
 
