@@ -137,7 +137,7 @@ def _best_within_bound(full: Problem, mesh: MeshShape) -> tuple[search.Solution,
     can be.
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
-    rounds_answer, _ = rounds_within(full, mesh)
+    rounds_answer = rounds_within(full, mesh)
     candidates = [(bounded, "full"), (rounds_answer, "one axis at a time")]
     best, space = min(candidates, key=lambda c: c[0].cost)
     bound = bounded.stats["lower_bound"]

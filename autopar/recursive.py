@@ -41,20 +41,19 @@ def solve_round(graph: search.CostGraph) -> tuple[search.Solution, bool]:
                         prune=False), True
 
 
-def rounds_within(problem: Problem, mesh: MeshShape) -> tuple[search.Solution, int]:
+def rounds_within(problem: Problem, mesh: MeshShape) -> search.Solution:
     """The device recursion inside a whole-mesh problem, with no problem built per round:
     round by round (largest axis first), each node keeps only its strategies that place the
     axes of earlier rounds as those rounds chose and use no later axis, and the round is
-    solved on that restriction. Returns the answer (indexed like `problem`'s strategies) and
-    how many rounds were exact. A node left with no such strategy (a pinned one: its single
-    strategy uses every axis) keeps all of its strategies."""
+    solved on that restriction. Returns the answer, indexed like `problem`'s strategies. A node
+    left with no such strategy (a pinned one: its single strategy uses every axis) keeps all of
+    its strategies."""
     graph = problem.graph
     placed = [[frozenset((f, a) for f, axes in s.assignment for a in axes)
                for s in problem.choices[r]] for r in problem.roots]
     decided = [frozenset()] * len(placed)
     done: set[str] = set()
     choice = [0] * len(placed)
-    exact_rounds = 0
     for axis in axis_order(mesh) or list(mesh.names[:1]):
         done.add(axis)
         keep = []
@@ -63,14 +62,13 @@ def rounds_within(problem: Problem, mesh: MeshShape) -> tuple[search.Solution, i
                              frozenset(x for x in p if x[1] != axis) == decided[node]
                              for p in options])
             keep.append(mask if mask.any() else np.ones(len(options), dtype=bool))
-        answer, exact = solve_round(graph.restricted(keep))
-        exact_rounds += exact
+        answer, _ = solve_round(graph.restricted(keep))
         choice = [int(np.flatnonzero(k)[c]) for k, c in zip(keep, answer.choice)]
         decided = [frozenset(x for x in options[c] if x[1] in done)
                    for options, c in zip(placed, choice)]
     choice_array = np.array(choice, dtype=np.int64)
     stats = {"nodes": graph.num_nodes(), "edges": graph.num_edges()}
-    return search.Solution(choice_array, graph.total_cost(choice_array), stats), exact_rounds
+    return search.Solution(choice_array, graph.total_cost(choice_array), stats)
 
 
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,

@@ -110,3 +110,23 @@ def test_repeated_layers_are_planned_once(backend):
         for path, spec in deep.items():
             if "/block_0/" in path:
                 assert deep[path.replace("/block_0/", f"/block_{i}/")] == spec
+
+
+@pytest.mark.parametrize("axes", [{"data": 2, "model": 4}, {"data": 2, "model": 3}])
+def test_rounds_within_the_full_problem_equal_the_recursion(axes):
+    """dynamic_programming's axis recursion restricts the full problem round by round instead of
+    building a problem per round: on the GPT it reaches recursive_programming's plan cost."""
+    from autopar.cost.hardware import get_profile
+    from autopar.mesh import mesh_shape
+    from autopar.problem import build_problem, make_units
+    from autopar.recursive import rounds_within, solve_recursive
+    from autopar.trace import trace
+    step, state, batch = models.gpt_setup(batch=12, seq=8)
+    graph = trace(step, (state, batch))[0]
+    shape, hw = mesh_shape(axes), get_profile(None)
+    units = make_units(graph)
+    full = build_problem(graph, shape, hw, units=units)
+    within = rounds_within(full, shape)
+    assert within.cost == full.graph.total_cost(within.choice)
+    _, rounds, _ = solve_recursive(graph, shape, hw, None, units)
+    assert within.cost == pytest.approx(rounds.cost, rel=1e-9)
