@@ -1,4 +1,5 @@
-"""Reading a compiled program: the collectives XLA emitted, in bytes per device.
+"""Reading a compiled program: the collectives XLA emitted, in bytes per device, and the
+memory it holds per device.
 
 Each collective instruction of the optimised HLO counts the bytes of its result on one device
 (every element of a tuple result: XLA combines collectives into tuple-shaped ones). Async pairs
@@ -8,6 +9,7 @@ bodies count once, not per iteration.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
@@ -48,3 +50,12 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
     for match in _INSTRUCTION.finditer(hlo_text):
         out[match["kind"]] = out.get(match["kind"], 0) + 1
     return out
+
+
+def compiled_memory_bytes(compiled: Any) -> int:
+    """Bytes one device holds to run `compiled` (a jax Compiled): arguments, outputs and
+    temporaries, less the outputs that reuse (alias) their donated arguments' buffers.
+    Not `peak_memory_in_bytes`: XLA's CPU compiler reports the arguments' size there."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)

@@ -136,8 +136,10 @@ def _one_result(step: Any) -> bool:
 
 
 # Primitives whose partial sums the lowering may resolve itself: their local result on each
-# device is its share of the sum (no replicated operand added in, as scatter-add has).
-_LINEAR = ("dot_general", "reduce_sum")
+# device is its share of the sum (no replicated operand added in, as scatter-add has). A
+# convolution's rule splits batch and features only (spatial dimensions stay whole), so its
+# shards need no halo.
+_LINEAR = ("dot_general", "reduce_sum", "conv_general_dilated")
 
 
 def _explicit(primitive: str, st: Any) -> tuple | None:

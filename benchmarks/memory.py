@@ -16,6 +16,7 @@ import jax
 import autopar
 import models
 from autopar.errors import AutoparError
+from autopar.hlo import compiled_memory_bytes
 from autopar.memory import mib
 
 # Links slow against compute: unconstrained, the search keeps the state replicated (plain data
@@ -63,9 +64,7 @@ def run(cases: dict[str, Callable[[], tuple]], mesh_axes: dict[str, int],
                 log(f"{name} budget {fraction}: {row['error']}")
                 continue
             plan_s = time.perf_counter() - t0
-            m = sharded.lower(state, batch).compile().memory_analysis()
-            compiled = (m.argument_size_in_bytes + m.output_size_in_bytes
-                        + m.temp_size_in_bytes - m.alias_size_in_bytes)
+            compiled = compiled_memory_bytes(sharded.lower(state, batch).compile())
             row.update(
                 plan_s=plan_s, estimated_ms=plan.cost["total_s"] * 1e3,
                 predicted_bytes=plan.cost["peak_memory_bytes"], compiled_bytes=compiled,

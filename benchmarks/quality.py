@@ -21,7 +21,7 @@ import architectures
 import models
 from autopar.annotate import resolve
 from autopar.cost.hardware import get_profile
-from autopar.hlo import collective_bytes
+from autopar.hlo import collective_bytes, compiled_memory_bytes
 from autopar.lower import jit_step
 from autopar.mesh import make_mesh, mesh_shape
 from autopar.planner import assemble, solve
@@ -83,10 +83,7 @@ def measure(graph: Any, decisions: Any, plan: Any, mesh: Any, flat_args: list,
     compiled = jitted.lower(*abstract).compile()
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
-    memory = compiled.memory_analysis()
-    peak = getattr(memory, "peak_memory_in_bytes", 0) or (
-        memory.argument_size_in_bytes + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+    peak = compiled_memory_bytes(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     placed = [jax.device_put(x, NamedSharding(mesh, to_partition_spec(s)))

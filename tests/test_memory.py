@@ -8,6 +8,7 @@ import pytest
 import autopar
 import models
 from autopar import budget
+from autopar.hlo import compiled_memory_bytes
 from autopar.memory import kept_bytes, parse_bytes
 from autopar.mesh import mesh_shape
 from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
@@ -17,9 +18,7 @@ from autopar.trace import trace
 from helpers import check_against_single_device, copy_tree, global_relative_error
 
 def compiled_bytes(step, state, batch) -> int:
-    m = step.lower(state, batch).compile().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
+    return compiled_memory_bytes(step.lower(state, batch).compile())
 
 
 def mlp():
