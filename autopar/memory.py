@@ -38,6 +38,16 @@ FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", 
 # Readers that take fused producers in: loop fusions and reductions' input fusions.
 FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
                           "argmin", "reduce_and", "reduce_or"}
+# Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
+# backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
+# (which live instead); an expensive one (exp, tanh, div, ...) read by the backward pass is kept.
+CHEAP = {
+    "abs", "add", "add_any", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p",
+    "eq", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lt", "max", "min",
+    "mul", "ne", "neg", "not", "or", "population_count", "real", "reduce_precision", "round",
+    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
+    "stop_gradient", "sub", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "transpose", "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"}
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
@@ -173,8 +183,15 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     producer_step, readers, kind, materialised, last = _liveness(graph)
     outputs = set(graph.outputs)
 
-    def last_read(steps: Iterable[int], default: int) -> int:
-        return _last_read(program, materialised, last, steps, default)
+    def uses(t: int) -> set[int]:
+        """The steps that need t: its readers and, through fused readers, theirs."""
+        out: set[int] = set()
+        stack = [t]
+        while stack:
+            for r in readers.get(stack.pop(), ()):
+                out.add(r)
+                stack += [o for o in program[r].outputs if o not in materialised]
+        return out
 
     # A layer is recomputed when the backward pass first reads one of its results; it reads
     # its inputs from other layers then, so those live until that step.
@@ -195,20 +212,31 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         own = layer_at.get(start)
         read_again = max([needed.get(layer_at[r], 0) for r in rs
                           if r in layer_at and layer_at[r] != own], default=0)
-        if own is not None and any(r in backward for r in rs):
-            fwd = [r for r in rs if r not in backward]
-            bwd = [r for r in rs if r in backward]
-            buffers.append((start, max(last_read(fwd, start), read_again),
+        used = uses(t) if own is not None else set()
+        if any(r in backward for r in used):
+            fwd = [r for r in used if r not in backward]
+            bwd = [r for r in used if r in backward]
+            buffers.append((start, max(fwd + [start, read_again]),
                             kind.get(t, "temporaries"), size(t), label))
             again = min(needed.get(own, min(bwd)), min(bwd))
-            buffers.append((again, last_read(bwd, again), "temporaries", size(t), (t,)))
+            buffers.append((again, max(bwd), "temporaries", size(t), (t,)))
         else:
             buffers.append((start, max(last[t], read_again), kind.get(t, "temporaries"),
                             size(t), label))
+    # XLA merges equal resharding of one tensor (the lowering's constraints are equal): one
+    # result, live from the first step that reads it to the last (a weight gathered for the
+    # forward pass is kept for the backward pass); the gathered tensor it is sliced from, at
+    # the first.
+    merged: dict[tuple[int, Spec], list[int]] = {}
     for (i, k), spec in (reshards or {}).items():
-        t = program[i].inputs[k]
-        buffers.append((i, i, "temporaries", _reshard_buffer(tensors[t], specs.get(t), spec, mesh),
-                        (t, i)))
+        merged.setdefault((program[i].inputs[k], spec), []).append(i)
+    for (t, spec), steps in merged.items():
+        first = min(steps)
+        gathered, result = _reshard_buffers(tensors[t], specs.get(t), spec, mesh)
+        end = _last_read(program, materialised, last, steps, first)
+        buffers.append((first, end, "temporaries", result, (t, first)))
+        if gathered:
+            buffers.append((first, first, "temporaries", gathered, (t, first)))
     aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
                if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
     base: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -273,7 +301,7 @@ def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dic
     for t, i in producer_step.items():
         rs = readers.get(t, ())
         if (t in outputs or primitive(i) not in FUSED or len(rs) > 1
-                or kind.get(t) == "activations"
+                or (kind.get(t) == "activations" and primitive(i) not in CHEAP)
                 or any(primitive(r) not in FUSING_READERS for r in rs)):
             materialised.add(t)
     last: dict[int, int] = {}
@@ -292,11 +320,17 @@ def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Ite
     return end
 
 
-def _reshard_buffer(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape) -> int:
-    """The gathered tensor (over every axis that leaves or changes place) and the result."""
-    share, moved, dropped = reshard_steps(src or replicated(len(tensor.shape)), dst, mesh)
-    gathered = tensor.nbytes * share * group_size(mesh, moved + dropped)
-    return int(gathered + shard_bytes(tensor, dst, mesh))
+def _reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape
+                     ) -> tuple[int, int]:
+    """(the gathered tensor the result is sliced from, the result). The partitioner gathers
+    over every axis that leaves or changes place, then slices; an all-gather that adds no axis
+    is its own result, and slicing alone gathers nothing."""
+    src = src or replicated(len(tensor.shape))
+    share, moved, dropped = reshard_steps(src, dst, mesh)
+    gathered = int(tensor.nbytes * share * group_size(mesh, moved + dropped))
+    result = int(shard_bytes(tensor, dst, mesh))
+    added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
+    return (gathered if moved or (dropped and added) else 0), result
 
 
 def _name(step: Any, i: int) -> str:

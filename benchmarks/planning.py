@@ -114,14 +114,22 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['nodes']} | {r['trace_s']:.2f} | {r.get('searches', 1)} | "
                      f"{r['search_s']:.2f} | {r['total_s']:.2f} | {r['plan_step_ms']:.3f} | "
                      f"{r.get('recomputed', 0)} | {exact} | {ratio} |")
-    rp = {(r["layers"], r["devices"]): r["search_s"] for r in rows
+    rp = {(r["layers"], r["devices"]): r for r in rows
           if r["backend"] == "recursive_programming"}
     depths = sorted({k[0] for k in rp})
     if len(depths) > 1:
-        lines += ["", f"recursive_programming search time, {depths[-1]} layers over {depths[0]}:"]
+        lines += ["", f"recursive_programming search time, {depths[-1]} layers over {depths[0]} "
+                  "(all searches; per search, where a memory budget made them differ in number):"]
         for n in sorted({k[1] for k in rp}):
             if (depths[0], n) in rp and (depths[-1], n) in rp:
-                lines.append(f"- {n} devices: {rp[(depths[-1], n)] / rp[(depths[0], n)]:.2f}x")
+                deep, shallow = rp[(depths[-1], n)], rp[(depths[0], n)]
+                line = f"- {n} devices: {deep['search_s'] / shallow['search_s']:.2f}x"
+                if deep["searches"] != shallow["searches"]:
+                    per = ((deep["search_s"] / deep["searches"])
+                           / (shallow["search_s"] / shallow["searches"]))
+                    line += (f"; per search {per:.2f}x ({deep['searches']} searches against "
+                             f"{shallow['searches']})")
+                lines.append(line)
     lines += ["", "## Overhead on the example's step (this machine's devices)", "",
               "Medians of rounds that each build the step afresh, so that both autopar and "
               "jax.jit pay its trace, as on a first call.", "",
