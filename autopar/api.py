@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.annotate import Annotations, check_annotations_type
+from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.errors import AutoparError, collect_errors
 from autopar.ir import OpGraph
@@ -40,8 +41,9 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     _check_backend(search)
     check_annotations_type(annotations)
     hw = get_profile(hardware)
-    return plan_step(fn, args, _mesh_or_count(mesh), hw, search, annotations,
-                     resolve_memory_limit(memory_limit, hw, mesh))[2]
+    limit = resolve_memory_limit(memory_limit, hw, mesh)
+    with young_objects_only():
+        return plan_step(fn, args, _mesh_or_count(mesh), hw, search, annotations, limit)[2]
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -119,6 +121,7 @@ class AutoParallel:
         if saved is not None and not isinstance(mesh, Mesh):
             self.requested = mesh_shape(dict(saved.mesh))
         self._cache: dict[Any, tuple[OpGraph, Decisions, Plan, Any, Mesh]] = {}
+        self._called: set[Any] = set()  # signatures whose executable exists
         functools.update_wrapper(self, fn)
 
     def _signature(self, args: tuple) -> Any:
@@ -126,36 +129,47 @@ class AutoParallel:
         return tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
                            for x in leaves)
 
-    def _compiled(self, args: tuple) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
-        key = self._signature(args)
+    def _compiled(self, args: tuple, key: Any = None
+                  ) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
+        key = self._signature(args) if key is None else key
         if key not in self._cache:
-            requested = self.requested
-            shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
-            if self.saved is None:
-                graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
-                                                self.annotations, self.memory_limit)
-            else:
-                graph, in_tree, out_shape = trace(self.fn, args)
-                decisions = decisions_from_plan(graph, self.saved, shape)
-                p = assemble(graph, decisions, shape, self.hw, self.saved.backend,
-                             dict(self.saved.search_stats), in_tree,
-                             jax.tree_util.tree_structure(out_shape))
-            mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
-            out_specs = [t.spec for t in p.outputs]
-            self._cache[key] = (graph, decisions, p, jit_step(graph, decisions, mesh, out_specs),
-                                mesh)
+            with young_objects_only():
+                self._cache[key] = self._make(args)
         return self._cache[key]
+
+    def _make(self, args: tuple) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
+        """Plan (or apply the saved plan) for these arguments; the jitted step."""
+        requested = self.requested
+        shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
+        if self.saved is None:
+            graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
+                                            self.annotations, self.memory_limit)
+        else:
+            graph, in_tree, out_shape = trace(self.fn, args)
+            decisions = decisions_from_plan(graph, self.saved, shape)
+            p = assemble(graph, decisions, shape, self.hw, self.saved.backend,
+                         dict(self.saved.search_stats), in_tree,
+                         jax.tree_util.tree_structure(out_shape))
+        mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
+        out_specs = [t.spec for t in p.outputs]
+        return graph, decisions, p, jit_step(graph, decisions, mesh, out_specs), mesh
 
     def mesh(self, *args: Any) -> Mesh:
         """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
         return self._compiled(args)[4]
 
     def __call__(self, *args: Any) -> Any:
-        graph, decisions, p, jitted, mesh = self._compiled(args)
+        key = self._signature(args)
+        graph, decisions, p, jitted, mesh = self._compiled(args, key)
         flat = jax.tree_util.tree_leaves(args)
         placed = [_place(x, NamedSharding(mesh, to_partition_spec(s)))
                   for x, s in zip(flat, decisions.inputs)]
-        outs = jitted(*placed)
+        if key in self._called:
+            outs = jitted(*placed)
+        else:  # the first call traces the planned program and compiles it
+            with young_objects_only():
+                outs = jitted(*placed)
+            self._called.add(key)
         return jax.tree_util.tree_unflatten(p.out_tree, outs)
 
     def plan(self, *args: Any) -> Plan:
@@ -166,8 +180,9 @@ class AutoParallel:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
         jitted = self._compiled(args)[3]
         flat = jax.tree_util.tree_leaves(args)
-        return jitted.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
-                              for x in flat])
+        with young_objects_only():  # traces the planned program
+            return jitted.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x),
+                                                       jax.numpy.result_type(x)) for x in flat])
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:

@@ -1,0 +1,49 @@
+"""The collector pause around planning leaves the interpreter's collector as it found it."""
+import gc
+import weakref
+
+from autopar.collector import young_objects_only
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_old_objects_are_set_aside_and_returned() -> None:
+    assert gc.get_freeze_count() == 0
+    old = _Cycle()
+    old_ref = weakref.ref(old)
+    with young_objects_only():
+        assert gc.get_freeze_count() > 0
+        del old
+        young = _Cycle()
+        young_ref = weakref.ref(young)
+        del young
+        gc.collect()
+        assert young_ref() is None  # cycles made in the block are collected
+        assert old_ref() is not None  # older ones are not scanned
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old_ref() is None  # and are collected after it
+
+
+def test_a_freeze_made_outside_is_kept() -> None:
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with young_objects_only():
+            _Cycle()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_collector_disabled_stays_disabled() -> None:
+    gc.disable()
+    try:
+        with young_objects_only():
+            assert gc.get_freeze_count() == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
