@@ -77,3 +77,38 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     predicted = reshard_collectives(Tensor(0, (64, 64), "float32"), from_partition_spec(
         P(*src), 2), ((), ()), mesh_shape(axes))
     assert compiled == predicted
+
+
+@pytest.mark.parametrize("sizes, src, dst", [
+    # an axis changes dimension while another leaves the one it comes from: XLA gathers the
+    # whole tensor and slices (the ResNet's Megatron + data parallel plan on 4x2 has one)
+    ((4, 2), (("data", "model"),), (None, "data")),
+    ((2, 4), (None, ("data", "model")), ("model", None)),
+    # an axis changes dimension after another is gathered: the gathered shard moves
+    ((4, 2), ("data", "model"), (None, "data")),
+    ((2, 4), ("data", "model"), ("model", None)),
+    # axes leave one dimension for two: XLA gathers the whole tensor
+    ((4, 2), (None, None, ("data", "model")), ("data", "model", None)),
+    # one axis changes dimension, nothing else
+    ((4, 2), ("data", None), (None, "data")),
+])
+def test_resharding_compiles_to_the_predicted_collectives(sizes, src, dst):
+    """The collectives XLA compiles for a resharding are the predicted ones, kind by kind."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from autopar.cost.model import reshard_collectives
+    from autopar.ir import Tensor
+    from autopar.mesh import mesh_shape
+    from autopar.rules.factors import from_partition_spec
+    axes = dict(zip(("data", "model"), sizes))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(sizes), tuple(axes))
+    target = NamedSharding(mesh, P(*dst))
+    step = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, target) + 1,
+                   in_shardings=NamedSharding(mesh, P(*src)), out_shardings=target)
+    shape = (16, 64) if len(src) == 2 else (16, 32, 8)
+    compiled = collective_bytes(step.lower(jax.ShapeDtypeStruct(shape, "float32"))
+                                .compile().as_text())
+    predicted = reshard_collectives(Tensor(0, shape, "float32"),
+                                    from_partition_spec(P(*src), len(shape)),
+                                    from_partition_spec(P(*dst), len(shape)), mesh_shape(axes))
+    assert compiled == predicted

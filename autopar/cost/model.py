@@ -98,14 +98,32 @@ def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]
 
 def reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
                    ) -> tuple[float, list[str], list[str]]:
-    """The share of the tensor one device holds under `src`, the axes that move to another
-    dimension (one all-to-all) and the axes dropped (gathered: see `gathers`); axes added are
-    free (each device keeps its slice)."""
+    """The share of the tensor one device holds under `src`, the axes that move (one
+    all-to-all) and the axes dropped (gathered: see `gathers`); axes added are free (each
+    device keeps its slice).
+
+    Two cases XLA's partitioner has no pattern for; it gathers the whole tensor and slices
+    ("involuntary full rematerialization" in its log), so every axis counts as dropped:
+    - an axis moves to another dimension while another axis leaves the dimension it comes
+      from, and no axis is added (a (16, 64) tensor `P(('data', 'model'))` becoming
+      `P(None, 'data')`);
+    - axes move from one dimension into two, or from two into one (`P(None, None, ('data',
+      'model'))` becoming `P('data', 'model')`).
+    docs/decisions.md has what this was measured against."""
     where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
     where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
     moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
     dropped = [a for a in where_src if a not in where_dst]
-    return 1.0 / group_size(mesh, list(where_src)), moved, dropped
+    share = 1.0 / group_size(mesh, list(where_src))
+    added = any(a not in where_src for a in where_dst)
+    if not added and any(where_src[a][0] != where_dst[a][0] and where_src[a][0] == where_src[b][0]
+                         for a in moved for b in dropped):
+        return share, [], list(where_src)
+    pairs = {(where_src[a][0], where_dst[a][0]) for a in moved
+             if where_src[a][0] != where_dst[a][0]}
+    if any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in pairs for q in pairs):
+        return share, [], list(where_src)
+    return share, moved, dropped
 
 
 def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[int]:
@@ -117,39 +135,52 @@ def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[int]:
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
-    """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`
-    (see reshard_steps). The time is linear in the tensor's size: collectives * latency +
-    fraction * bytes / bandwidth, so these terms serve every tensor.
-    """
-    if src == dst:
-        return 0, 0.0
+def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
+                     ) -> tuple[tuple[str, int, float], ...]:
+    """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
+    devices in its group, its result's share of the tensor on one device); see reshard_steps.
+
+    The all-to-all comes after the all-gathers where an axis changes dimension and none is
+    added (the gathered shard moves: `P('data', 'model')` to `P(None, 'data')` on 4x2 compiles
+    to an all-gather over 'model', then an all-to-all of the (4, 64) shard), and before them
+    otherwise, where the partitioner first permutes shards within a dimension."""
     share, moved, dropped = reshard_steps(src, dst, mesh)
-    count, fraction = 0, 0.0
-    if moved:
-        n = group_size(mesh, moved)
-        count, fraction = 1, (n - 1) / (2 * n) * share
-    # One all-gather per dimension (see `gathers`); gathering step by step moves the bytes
-    # one all-gather over all the axes would.
+    where_src = {a: d for d, axes in enumerate(src) for a in axes}
+    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
+    gather_first = (not set(where_dst) - set(where_src)
+                    and any(where_src[a] != where_dst[a] for a in moved))
+    steps: list[tuple[str, int, float]] = []
+    if moved and not gather_first:
+        steps.append(("all-to-all", group_size(mesh, moved), share))
     for n in gathers(src, dropped, mesh):
         share *= n
-        fraction += (n - 1) / n * share
-        count += 1
-    return count, fraction
+        steps.append(("all-gather", n, share))
+    if moved and gather_first:
+        steps.append(("all-to-all", group_size(mesh, moved), share))
+    return tuple(steps)
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
+    """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`
+    (see reshard_sequence). The time is linear in the tensor's size: collectives * latency +
+    fraction * bytes / bandwidth, so these terms serve every tensor.
+    """
+    fraction = 0.0
+    steps = reshard_sequence(src, dst, mesh)
+    for kind, n, share in steps:
+        # Gathering step by step moves the bytes one all-gather over all the axes would.
+        fraction += (n - 1) / (2 * n if kind == "all-to-all" else n) * share
+    return len(steps), fraction
 
 
 def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
                         ) -> dict[str, float]:
     """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
-    steps of reshard_terms, in the units a compiled program's collectives are read in."""
-    share, moved, dropped = reshard_steps(src, dst, mesh)
-    held = tensor.nbytes * share
-    out = {}
-    if moved:
-        out["all-to-all"] = held
-    for n in gathers(src, dropped, mesh):
-        held *= n
-        out["all-gather"] = out.get("all-gather", 0.0) + held
+    steps of reshard_sequence, in the units a compiled program's collectives are read in."""
+    out: dict[str, float] = {}
+    for kind, _, share in reshard_sequence(src, dst, mesh):
+        out[kind] = out.get(kind, 0.0) + tensor.nbytes * share
     return out
 
 
