@@ -9,8 +9,9 @@ docs/decisions.md):
   input's sharding reuses the input's buffer. Other results are counted whole.
 - An intermediate lives from its producer to its last reader; a fused reader reads at the end of
   its own fused chain.
-- A resharded operand costs, at the operator that needs it, the tensor gathered over every mesh
-  axis that leaves or changes place, plus the result: XLA's partitioner gathers, then slices.
+- A resharded operand costs, at the operator that needs it, the result of every collective of
+  the resharding (cost.model.reshard_sequence), plus the result: where the partitioner has no
+  pattern for it, that is the whole tensor, gathered and then sliced.
 - A recomputed layer keeps its forward results only as long as the forward pass reads them; the
   backward pass recomputes them when it first needs them.
 
@@ -25,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from autopar.cost.model import group_size, reshard_steps, shard_bytes
+from autopar.cost.model import reshard_sequence, shard_bytes
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph, Tensor
 from autopar.mesh import MeshShape
@@ -237,6 +238,12 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         buffers.append((first, end, "temporaries", result, (t, first)))
         if gathered:
             buffers.append((first, first, "temporaries", gathered, (t, first)))
+    # Convolutions whose dimension numbers are not XLA's canonical ones (the backward pass's)
+    # get transposed copies of those operands and of their result, live at the convolution.
+    for i, k, t in _transposed_for_convolution(program):
+        spec = (reshards or {}).get((i, k)) if k >= 0 else None
+        nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
+        buffers.append((i, i, "temporaries", nbytes, (t, i, "transposed")))
     aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
                if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
     base: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -262,7 +269,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     held.sort(key=lambda h: -h[0])
 
     def describe(label: Any) -> str:
-        """A buffer's name: tensor t, (t,) its recomputation, (t, i) resharding it for step i."""
+        """A buffer's name: tensor t, (t,) its recomputation, (t, i) resharding it for step i,
+        (t, i, "transposed") transposing it for the convolution at step i."""
         if isinstance(label, str):
             return label
         if isinstance(label, int):
@@ -270,8 +278,9 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
                                                 producer_step[label])
         if len(label) == 1:
             return f"{describe(label[0])} (recomputed)"
-        t, i = label
-        return f"resharding {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"
+        t, i, *transposed = label
+        what = "transposing" if transposed else "resharding"
+        return f"{what} {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"
 
     where = _name(program[peak_step], peak_step) if peak_step >= 0 else "the start of the step"
     return MemoryEstimate(int(peak), at_peak, where,
@@ -322,15 +331,43 @@ def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Ite
 
 def _reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape
                      ) -> tuple[int, int]:
-    """(the gathered tensor the result is sliced from, the result). The partitioner gathers
-    over every axis that leaves or changes place, then slices; an all-gather that adds no axis
-    is its own result, and slicing alone gathers nothing."""
+    """(the buffers the resharding's collectives make beside the result, the result). Each
+    collective's result is a buffer of its own (an all-gather's, the tensor gathered so far),
+    but the last one's is the result where nothing is sliced from it afterwards; an
+    all-to-all's is copied into the result's layout, so it counts too. Where the partitioner
+    has no pattern it gathers the whole tensor and slices (see cost.model.reshard_steps)."""
     src = src or replicated(len(tensor.shape))
-    share, moved, dropped = reshard_steps(src, dst, mesh)
-    gathered = int(tensor.nbytes * share * group_size(mesh, moved + dropped))
     result = int(shard_bytes(tensor, dst, mesh))
-    added = {a for axes in dst for a in axes} - {a for axes in src for a in axes}
-    return (gathered if moved or (dropped and added) else 0), result
+    steps = reshard_sequence(src, dst, mesh)
+    made = [int(tensor.nbytes * share) for _, _, share in steps]
+    if steps and steps[-1][0] != "all-to-all" and made[-1] == result:
+        made.pop()
+    return sum(made), result
+
+
+def _transposed_for_convolution(program: Any) -> list[tuple[int, int, int]]:
+    """(step, operand or -1 for the result, tensor) of every convolution operand and result
+    XLA transposes. Its convolution canonicalisation wants the input as (batch, spatial...,
+    feature), the kernel as (spatial..., in feature, out feature) and the result as the input;
+    otherwise it transposes into a buffer of its own (the forward pass's convolutions are
+    canonical, the weight gradient's are not: its input is read with batch and feature
+    exchanged, and its output gradient as the kernel)."""
+    out = []
+    for i, step in enumerate(program):
+        eqn = step.eqn
+        if eqn is None or eqn.primitive.name != "conv_general_dilated":
+            continue
+        dn = eqn.params["dimension_numbers"]
+        rank = len(dn.lhs_spec)
+        canonical_data = (0, rank - 1, *range(1, rank - 1))
+        canonical_kernel = (rank - 1, rank - 2, *range(rank - 2))
+        for k, (spec, canonical) in enumerate(((dn.lhs_spec, canonical_data),
+                                               (dn.rhs_spec, canonical_kernel))):
+            if tuple(spec) != canonical:
+                out.append((i, k, step.inputs[k]))
+        if tuple(dn.out_spec) != canonical_data:
+            out.append((i, -1, step.outputs[0]))
+    return out
 
 
 def _name(step: Any, i: int) -> str:

@@ -46,6 +46,40 @@ def test_estimate_matches_compiled_memory(axes):
     assert sum(kinds.values()) == plan.memory["peak_bytes"] == plan.cost["peak_memory_bytes"]
 
 
+def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
+    """XLA transposes the operands of the backward pass's convolutions into buffers of their
+    own: without them the ResNet's estimate was 0.78 of the compiled memory."""
+    import architectures
+    step, state, batch = architectures.resnet_setup(batch=16, size=16, channels=(32, 64))
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}))
+    plan = sharded.plan(state, batch)
+    ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
+    assert 0.85 <= ratio <= 1.15, ratio
+
+
+def test_resharding_buffers_follow_the_collectives():
+    """The buffers a resharding makes beside its result, against XLA's temporaries for a step
+    that only reshards: an all-to-all's result (not the whole tensor, as counted before), the
+    gathered shard and the all-to-all after it, and the whole tensor where XLA has no pattern."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from autopar.memory import _reshard_buffers
+    from autopar.ir import Tensor
+    from autopar.rules.factors import from_partition_spec
+    axes = {"data": 4, "model": 2}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), tuple(axes))
+    for src, dst in [(("data", None), (None, "data")), (("data", "model"), (None, "data")),
+                     ((("data", "model"),), (None, "data")), (("data", None), (None, None))]:
+        out = NamedSharding(mesh, P(*dst))
+        step = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, out) * 3,
+                       in_shardings=NamedSharding(mesh, P(*src)), out_shardings=out)
+        temp = step.lower(jax.ShapeDtypeStruct((1024, 1024), "float32")).compile(
+            ).memory_analysis().temp_size_in_bytes
+        made, _ = _reshard_buffers(Tensor(0, (1024, 1024), "float32"),
+                                   from_partition_spec(P(*src), 2),
+                                   from_partition_spec(P(*dst), 2), mesh_shape(axes))
+        assert 0.5 * temp <= made <= 1.15 * temp if temp else made == 0, (src, dst, made, temp)
+
+
 def test_state_four_times_the_budget_fits_and_trains():
     step, state, batch = mlp()
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
