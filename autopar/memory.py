@@ -240,7 +240,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             buffers.append((first, first, "temporaries", gathered, (t, first)))
     # Convolutions whose dimension numbers are not XLA's canonical ones (the backward pass's)
     # get transposed copies of those operands and of their result, live at the convolution.
-    for i, k, t in _transposed_for_convolution(program):
+    for i, k, t in _transposed_for_convolution(graph):
         spec = (reshards or {}).get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
         buffers.append((i, i, "temporaries", nbytes, (t, i, "transposed")))
@@ -345,7 +345,8 @@ def _reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShap
     return sum(made), result
 
 
-def _transposed_for_convolution(program: Any) -> list[tuple[int, int, int]]:
+@functools.lru_cache(maxsize=4)  # program-only, like _liveness
+def _transposed_for_convolution(graph: OpGraph) -> tuple[tuple[int, int, int], ...]:
     """(step, operand or -1 for the result, tensor) of every convolution operand and result
     XLA transposes. Its convolution canonicalisation wants the input as (batch, spatial...,
     feature), the kernel as (spatial..., in feature, out feature) and the result as the input;
@@ -353,7 +354,7 @@ def _transposed_for_convolution(program: Any) -> list[tuple[int, int, int]]:
     canonical, the weight gradient's are not: its input is read with batch and feature
     exchanged, and its output gradient as the kernel)."""
     out = []
-    for i, step in enumerate(program):
+    for i, step in enumerate(graph.program):
         eqn = step.eqn
         if eqn is None or eqn.primitive.name != "conv_general_dilated":
             continue
@@ -367,7 +368,7 @@ def _transposed_for_convolution(program: Any) -> list[tuple[int, int, int]]:
                 out.append((i, k, step.inputs[k]))
         if tuple(dn.out_spec) != canonical_data:
             out.append((i, -1, step.outputs[0]))
-    return out
+    return tuple(out)
 
 
 def _name(step: Any, i: int) -> str:
