@@ -1,6 +1,7 @@
 """The public entry points: `auto_parallel` and `plan`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -12,14 +13,21 @@ from autopar.annotate import Annotations, check_annotations_type
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.errors import AutoparError, collect_errors
+from autopar.hlo import compiled_memory_bytes
 from autopar.ir import OpGraph
 from autopar.lower import jit_step
-from autopar.memory import layer_steps, parse_bytes
+from autopar.memory import layer_steps, mib, parse_bytes
 from autopar.mesh import MeshShape, make_mesh, mesh_shape
 from autopar.plan import Plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
 from autopar.rules.factors import Strategy, to_partition_spec
 from autopar.trace import trace
+
+# A plan whose estimated peak is within the estimate's error of memory_limit (about 15% against
+# XLA's memory_analysis, docs/decisions.md) is compiled before it is used, and planned again for
+# a smaller estimate where XLA needs more than the limit, at most COMPILE_CHECKS times.
+CHECK_BAND = 0.85
+COMPILE_CHECKS = 3
 
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
@@ -141,18 +149,52 @@ class AutoParallel:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
         requested = self.requested
         shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
-        if self.saved is None:
-            graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
-                                            self.annotations, self.memory_limit)
-        else:
+        if self.saved is not None:
             graph, in_tree, out_shape = trace(self.fn, args)
             decisions = decisions_from_plan(graph, self.saved, shape)
             p = assemble(graph, decisions, shape, self.hw, self.saved.backend,
                          dict(self.saved.search_stats), in_tree,
                          jax.tree_util.tree_structure(out_shape))
+            return (graph, decisions, p, *self._jitted(graph, decisions, p))
+        limit = self.memory_limit
+        compiled = 0
+        for check in range(COMPILE_CHECKS + 1):
+            try:
+                graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
+                                                self.annotations, limit)
+            except AutoparError as e:
+                if not check:
+                    raise
+                raise AutoparError(
+                    f"the plan estimated to fit memory_limit={mib(self.memory_limit)} compiled "
+                    f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
+                    f"{e}") from e
+            jitted, mesh = self._jitted(graph, decisions, p)
+            if not check and p.cost["peak_memory_bytes"] < CHECK_BAND * self.memory_limit:
+                break
+            # Close to the limit the estimate's error could decide, and after a plan did not
+            # fit it has: XLA's own figure does.
+            compiled = compiled_memory_bytes(jitted.lower(*_abstract(args)).compile())
+            p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
+                                    search_stats={**p.search_stats, "compile_checks": check + 1})
+            if compiled <= self.memory_limit:
+                break
+            if check == COMPILE_CHECKS:
+                raise AutoparError(
+                    f"the plan estimated at {mib(p.cost['peak_memory_bytes'])} per device "
+                    f"compiles to {mib(compiled)}, over memory_limit="
+                    f"{mib(self.memory_limit)} on mesh {shape}, after planning for "
+                    f"{COMPILE_CHECKS} smaller estimates. Fix: raise memory_limit, use more "
+                    "devices, or shrink the batch.")
+            # Plan for the estimate that, off by as much as this one, would fit.
+            estimate = p.cost["peak_memory_bytes"]
+            limit = min(limit - 1, int(self.memory_limit * estimate / compiled))
+        return graph, decisions, p, jitted, mesh
+
+    def _jitted(self, graph: OpGraph, decisions: Decisions, p: Plan) -> tuple[Any, Mesh]:
+        requested = self.requested
         mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
-        out_specs = [t.spec for t in p.outputs]
-        return graph, decisions, p, jit_step(graph, decisions, mesh, out_specs), mesh
+        return jit_step(graph, decisions, mesh, [t.spec for t in p.outputs]), mesh
 
     def mesh(self, *args: Any) -> Mesh:
         """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
@@ -179,10 +221,14 @@ class AutoParallel:
     def lower(self, *args: Any) -> Any:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
         jitted = self._compiled(args)[3]
-        flat = jax.tree_util.tree_leaves(args)
         with young_objects_only():  # traces the planned program
-            return jitted.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x),
-                                                       jax.numpy.result_type(x)) for x in flat])
+            return jitted.lower(*_abstract(args))
+
+
+def _abstract(args: tuple) -> list[jax.ShapeDtypeStruct]:
+    """The flat arguments' shapes and dtypes."""
+    return [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
+            for x in jax.tree_util.tree_leaves(args)]
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:
