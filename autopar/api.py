@@ -192,6 +192,7 @@ class AutoParallel:
         return graph, decisions, p, jitted, mesh
 
     def _jitted(self, graph: OpGraph, decisions: Decisions, p: Plan) -> tuple[Any, Mesh]:
+        """The jitted step of `decisions`, and the mesh it runs on."""
         requested = self.requested
         mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
         return jit_step(graph, decisions, mesh, [t.spec for t in p.outputs]), mesh

@@ -127,6 +127,8 @@ class Plan:
             allowed = (f" of {m['limit_bytes'] / 2**20:.1f} MiB allowed"
                        if m.get("limit_bytes") else "")
             lines.append(f"memory at its peak{allowed} ({m['where']}): {kinds} MiB")
+            if m.get("compiled_bytes"):
+                lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
         if self.recompute:
             lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
                          f" ms more compute): {', '.join(self.recompute)}")
