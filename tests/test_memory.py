@@ -94,6 +94,7 @@ def test_a_plan_near_the_limit_fits_once_compiled(monkeypatch):
                                        memory_limit=limit)
     assert plan.search_stats["compile_checks"] == 2
     assert plan.cost["peak_memory_bytes"] <= limit and plan.memory["compiled_bytes"] <= limit
+    assert "compiled by XLA" in plan.summary()
     monkeypatch.setattr(api, "COMPILE_CHECKS", 0)
     with pytest.raises(autopar.AutoparError, match="compiles to .* over memory_limit"):
         autopar.auto_parallel(step, mesh=mesh, hardware=SLOW_LINKS,
