@@ -335,7 +335,7 @@ def _reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShap
     collective's result is a buffer of its own (an all-gather's, the tensor gathered so far),
     but the last one's is the result where nothing is sliced from it afterwards; an
     all-to-all's is copied into the result's layout, so it counts too. Where the partitioner
-    has no pattern it gathers the whole tensor and slices (see cost.model.reshard_steps)."""
+    has no pattern it gathers the whole tensor and slices (see cost.model.reshard_sequence)."""
     src = src or replicated(len(tensor.shape))
     result = int(shard_bytes(tensor, dst, mesh))
     steps = reshard_sequence(src, dst, mesh)

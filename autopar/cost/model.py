@@ -96,11 +96,26 @@ def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]
             [a for a in strategy.partial_axes if a not in placed])
 
 
-def reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
-                   ) -> tuple[float, list[str], list[str]]:
-    """The share of the tensor one device holds under `src`, the axes that move (one
-    all-to-all) and the axes dropped (gathered: see `gathers`); axes added are free (each
-    device keeps its slice).
+def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[int]:
+    """The all-gathers that drop `dropped` from `src`, as XLA emits them: one per tensor
+    dimension losing axes (all its dropped axes at once), the last dimension first; each as
+    the factor by which it grows the buffer."""
+    return [n for axes in reversed(src)
+            if (n := group_size(mesh, [a for a in axes if a in dropped])) > 1]
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
+                     ) -> tuple[tuple[str, int, float], ...]:
+    """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
+    devices in its group, its result's share of the tensor on one device).
+
+    Axes that move (within or across dimensions) are one all-to-all; axes dropped are gathered
+    (see `gathers`); axes added are free (each device keeps its slice). The all-to-all comes
+    after the all-gathers where an axis changes dimension and none is added (the gathered
+    shard moves: `P('data', 'model')` to `P(None, 'data')` on 4x2 compiles to an all-gather
+    over 'model', then an all-to-all of the (4, 64) shard), and before them otherwise, where
+    the partitioner first permutes shards within a dimension.
 
     Two cases XLA's partitioner has no pattern for; it gathers the whole tensor and slices
     ("involuntary full rematerialization" in its log), so every axis counts as dropped:
@@ -116,39 +131,12 @@ def reshard_steps(src: Spec, dst: Spec, mesh: MeshShape
     dropped = [a for a in where_src if a not in where_dst]
     share = 1.0 / group_size(mesh, list(where_src))
     added = any(a not in where_src for a in where_dst)
-    if not added and any(where_src[a][0] != where_dst[a][0] and where_src[a][0] == where_src[b][0]
-                         for a in moved for b in dropped):
-        return share, [], list(where_src)
-    pairs = {(where_src[a][0], where_dst[a][0]) for a in moved
-             if where_src[a][0] != where_dst[a][0]}
-    if any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in pairs for q in pairs):
-        return share, [], list(where_src)
-    return share, moved, dropped
-
-
-def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[int]:
-    """The all-gathers that drop `dropped` from `src`, as XLA emits them: one per tensor
-    dimension losing axes (all its dropped axes at once), the last dimension first; each as
-    the factor by which it grows the buffer."""
-    return [n for axes in reversed(src)
-            if (n := group_size(mesh, [a for a in axes if a in dropped])) > 1]
-
-
-@functools.lru_cache(maxsize=1 << 20)
-def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
-                     ) -> tuple[tuple[str, int, float], ...]:
-    """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
-    devices in its group, its result's share of the tensor on one device); see reshard_steps.
-
-    The all-to-all comes after the all-gathers where an axis changes dimension and none is
-    added (the gathered shard moves: `P('data', 'model')` to `P(None, 'data')` on 4x2 compiles
-    to an all-gather over 'model', then an all-to-all of the (4, 64) shard), and before them
-    otherwise, where the partitioner first permutes shards within a dimension."""
-    share, moved, dropped = reshard_steps(src, dst, mesh)
-    where_src = {a: d for d, axes in enumerate(src) for a in axes}
-    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
-    gather_first = (not set(where_dst) - set(where_src)
-                    and any(where_src[a] != where_dst[a] for a in moved))
+    across = {(where_src[a][0], where_dst[a][0]) for a in moved
+              if where_src[a][0] != where_dst[a][0]}
+    if ((not added and any(p == where_src[b][0] for p, _ in across for b in dropped))
+            or any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in across for q in across)):
+        moved, dropped = [], list(where_src)  # the whole tensor, gathered
+    gather_first = not added and bool(across) and bool(moved)
     steps: list[tuple[str, int, float]] = []
     if moved and not gather_first:
         steps.append(("all-to-all", group_size(mesh, moved), share))
