@@ -1,17 +1,20 @@
 """Per-device memory of a plan: a liveness walk over the program as XLA will buffer it.
 
-What the walk assumes of XLA (each rule checked against `memory_analysis()` of compiled plans,
-docs/decisions.md):
+What the walk assumes of XLA (each rule checked against `memory_analysis()` of compiled plans;
+the rules that the program's equations do not show are in autopar.xla_buffers, and
+docs/decisions.md has the measurements):
 - Chains of elementwise and layout operators fuse into their reader, so their results get no
   buffer of their own, unless a reader cannot fuse them (a dot, a convolution, a loop), the
-  backward pass keeps them, or several operators read them.
+  backward pass keeps them, or several operators read them. A transpose of a dot's result is
+  the dot's own buffer; a scatter into zeros that a sum alone reads scatters into the sum.
 - Arguments stay live for the whole step. The state is donated: a returned state that keeps its
-  input's sharding reuses the input's buffer. Other results are counted whole.
+  input's sharding reuses the input's buffer, after a copy where a reader of the old value is
+  not ordered before the update. Other results are counted whole.
 - An intermediate lives from its producer to its last reader; a fused reader reads at the end of
-  its own fused chain.
-- A resharded operand costs, at the operator that needs it, the result of every collective of
-  the resharding (cost.model.reshard_sequence), plus the result: where the partitioner has no
-  pattern for it, that is the whole tensor, gathered and then sliced.
+  its own fused chain. The optimizer's steps run as soon as their inputs are ready.
+- A resharded operand costs, at the operator that needs it, its collectives' results
+  (cost.model.reshard_sequence) and the result; a dot or convolution whose dimensions XLA
+  reorders costs a transposed copy of the operands it reorders.
 - A recomputed layer keeps its forward results only as long as the forward pass reads them; the
   backward pass recomputes them when it first needs them.
 
@@ -26,29 +29,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from autopar.cost.model import reshard_sequence, shard_bytes
+from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparError
-from autopar.ir import OpGraph, Tensor
+from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.rules.table import ELEMENTWISE
-
-# Operators XLA fuses into their reader.
-FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p"}
-# Readers that take fused producers in: loop fusions and reductions' input fusions.
-FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                          "argmin", "reduce_and", "reduce_or"}
-# Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
-# backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
-# (which live instead); an expensive one (exp, tanh, div, ...) read by the backward pass is kept.
-CHEAP = {
-    "abs", "add", "add_any", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p",
-    "eq", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lt", "max", "min",
-    "mul", "ne", "neg", "not", "or", "population_count", "real", "reduce_precision", "round",
-    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
-    "stop_gradient", "sub", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-    "transpose", "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"}
+from autopar.xla_buffers import (CHEAP, FUSED, FUSING_READERS, all_reduce_steps,
+                                 copied_before_update, edges, reshard_buffers, scatter_into_sum,
+                                 schedule, transposed_operands)
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
@@ -162,15 +150,18 @@ def kept_bytes(graph: OpGraph, decisions: Any, mesh: MeshShape) -> int:
 def plan_memory(graph: OpGraph, decisions: Any, mesh: MeshShape) -> MemoryEstimate:
     """The memory estimate of `decisions` (with their recomputed steps)."""
     return estimate(graph, decisions.tensor_specs(graph), mesh,
-                    operand_reshards(graph, decisions), decisions.recompute)
+                    operand_reshards(graph, decisions), decisions.recompute,
+                    all_reduce_steps(graph, decisions, mesh))
 
 
 def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
              reshards: dict[tuple[int, int], Spec] | None = None,
-             recompute: Iterable[int] = ()) -> MemoryEstimate:
+             recompute: Iterable[int] = (),
+             all_reduces: dict[int, tuple[str, ...]] | None = None) -> MemoryEstimate:
     """The per-device memory of running `graph` with tensors sharded as `specs` (as produced),
-    operands resharded as `reshards` says (see operand_reshards), and the forward steps in
-    `recompute` recomputed for the backward pass."""
+    operands resharded as `reshards` says (see operand_reshards), the forward steps in
+    `recompute` recomputed for the backward pass, and the steps in `all_reduces` all-reducing
+    their results (see all_reduce_steps)."""
     tensors = graph.tensors
     program = graph.program
     recompute = set(recompute)
@@ -194,6 +185,19 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
                 stack += [o for o in program[r].outputs if o not in materialised]
         return out
 
+    # Times: program order, but the update of the state follows its inputs at once (see
+    # schedule); `last` is redone in those times where any step moves.
+    done = max(backward_steps(graph), default=len(program))  # the backward pass's last step
+    when = schedule(graph, all_reduces or {}, done + 1)
+    if when is not None:
+        last = {}
+        for i in range(len(program) - 1, -1, -1):
+            for t in program[i].outputs:
+                last[t] = _last_read(program, materialised, last, readers.get(t, ()), when[i],
+                                     when)
+    else:
+        when = range(len(program))
+
     # A layer is recomputed when the backward pass first reads one of its results; it reads
     # its inputs from other layers then, so those live until that step.
     backward = backward_steps(graph) if recompute else frozenset()
@@ -203,20 +207,20 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         for t in program[i].inputs:
             layer = layer_at.get(producer_step.get(t, -1))
             if layer is not None:
-                needed.setdefault(layer, i)
+                needed.setdefault(layer, when[i])
 
-    # Buffers as (first step, last step, kind, bytes, what).
+    # Buffers as (first time, last time, kind, bytes, what).
     buffers = []
     for t in materialised - outputs:
-        start, rs = producer_step[t], readers.get(t, ())
+        start, rs = when[producer_step[t]], readers.get(t, ())
         label: Any = t  # named only if among the largest at the peak (naming is slow)
         own = layer_at.get(start)
         read_again = max([needed.get(layer_at[r], 0) for r in rs
                           if r in layer_at and layer_at[r] != own], default=0)
         used = uses(t) if own is not None else set()
         if any(r in backward for r in used):
-            fwd = [r for r in used if r not in backward]
-            bwd = [r for r in used if r in backward]
+            fwd = [when[r] for r in used if r not in backward]
+            bwd = [when[r] for r in used if r in backward]
             buffers.append((start, max(fwd + [start, read_again]),
                             kind.get(t, "temporaries"), size(t), label))
             again = min(needed.get(own, min(bwd)), min(bwd))
@@ -232,20 +236,29 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     for (i, k), spec in (reshards or {}).items():
         merged.setdefault((program[i].inputs[k], spec), []).append(i)
     for (t, spec), steps in merged.items():
-        first = min(steps)
-        gathered, result = _reshard_buffers(tensors[t], specs.get(t), spec, mesh)
-        end = _last_read(program, materialised, last, steps, first)
-        buffers.append((first, end, "temporaries", result, (t, first)))
+        first = min(when[i] for i in steps)
+        gathered, result = reshard_buffers(tensors[t], specs.get(t), spec, mesh, all(
+            program[i].eqn is not None and program[i].eqn.primitive.name in FUSING_READERS
+            for i in steps))
+        end = _last_read(program, materialised, last, steps, first, when)
+        buffers.append((first, end, "temporaries", result, (t, min(steps))))
         if gathered:
-            buffers.append((first, first, "temporaries", gathered, (t, first)))
-    # Convolutions whose dimension numbers are not XLA's canonical ones (the backward pass's)
-    # get transposed copies of those operands and of their result, live at the convolution.
-    for i, k, t in _transposed_for_convolution(graph):
+            buffers.append((first, first, "temporaries", gathered, (t, min(steps))))
+    # Convolutions and dots whose dimension numbers are not XLA's canonical ones get
+    # transposed copies of those operands (and a convolution's result), live at the step.
+    for i, k, t in transposed_operands(graph):
         spec = (reshards or {}).get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
-        buffers.append((i, i, "temporaries", nbytes, (t, i, "transposed")))
+        buffers.append((when[i], when[i], "temporaries", nbytes, (t, i, "transposed")))
     aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
                if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
+    # A donated input is updated in place; XLA copies it for the readers of the old value not
+    # ordered before the update (the optimizer's steps read the original).
+    for t in copied_before_update(graph, aliased, all_reduces or {}):
+        rs = [r for r in readers[t] if r <= done]
+        first = min(when[r] for r in rs)
+        buffers.append((first, _last_read(program, materialised, last, rs, first, when),
+                        "temporaries", size(t), (t, -1, "copied")))
     base: dict[str, int] = dict.fromkeys(KINDS, 0)
     for t in graph.inputs:
         base[kind[t]] += size(t)
@@ -278,11 +291,17 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
                                                 producer_step[label])
         if len(label) == 1:
             return f"{describe(label[0])} (recomputed)"
-        t, i, *transposed = label
-        what = "transposing" if transposed else "resharding"
+        t, i, *how = label
+        if how == ["copied"]:
+            return f"{tensors[t].path or f'input {t}'} (copied before its update)"
+        what = "transposing" if how else "resharding"
         return f"{what} {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"
 
-    where = _name(program[peak_step], peak_step) if peak_step >= 0 else "the start of the step"
+    if peak_step >= 0:
+        step = list(when).index(peak_step)
+        where = _name(program[step], step)
+    else:
+        where = "the start of the step"
     return MemoryEstimate(int(peak), at_peak, where,
                           tuple((describe(w), b) for b, w in held[:5]))
 
@@ -299,16 +318,20 @@ def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dic
         eqn = program[i].eqn
         return "copy_p" if eqn is None else eqn.primitive.name
 
-    producer_step = {t: i for i, step in enumerate(program) for t in step.outputs}
-    readers: dict[int, list[int]] = {}
-    for i, step in enumerate(program):
-        for t in set(step.inputs):
-            readers.setdefault(t, []).append(i)
-    kind = roles(graph)
+    producer_step, readers = edges(graph)
+    kind = dict(roles(graph))
     outputs = set(graph.outputs)
     materialised = set()
     for t, i in producer_step.items():
         rs = readers.get(t, ())
+        if t not in outputs and scatter_into_sum(program, producer_step, primitive, i, rs):
+            continue
+        if (primitive(i) == "transpose" and len(readers.get(program[i].inputs[0], ())) == 1
+                and primitive(producer_step.get(program[i].inputs[0], i)) == "dot_general"):
+            # XLA's simplifier folds the transpose of a dot read by it alone into the dot
+            # (operands exchanged): the dot's buffer holds the transposed result.
+            kind.setdefault(program[i].inputs[0], kind.get(t, "temporaries"))
+            continue
         if (t in outputs or primitive(i) not in FUSED or len(rs) > 1
                 or (kind.get(t) == "activations" and primitive(i) not in CHEAP)
                 or any(primitive(r) not in FUSING_READERS for r in rs)):
@@ -321,54 +344,15 @@ def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dic
 
 
 def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Iterable[int],
-               default: int) -> int:
-    """The last step that needs a value read at `steps`, fused readers followed."""
+               default: int, when: Any = None) -> int:
+    """The last time a value read at `steps` is needed, fused readers followed; times are
+    program steps, or `when[step]` where given (see schedule)."""
     end = default
     for r in steps:
-        end = max(end, r, *(last.get(o, r) for o in program[r].outputs if o not in materialised))
+        at = r if when is None else when[r]
+        end = max(end, at, *(last.get(o, at) for o in program[r].outputs
+                             if o not in materialised))
     return end
-
-
-def _reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape
-                     ) -> tuple[int, int]:
-    """(the buffers the resharding's collectives make beside the result, the result). Each
-    collective's result is a buffer of its own (an all-gather's, the tensor gathered so far),
-    but the last one's is the result where nothing is sliced from it afterwards; an
-    all-to-all's is copied into the result's layout, so it counts too. Where the partitioner
-    has no pattern it gathers the whole tensor and slices (see cost.model.reshard_sequence)."""
-    src = src or replicated(len(tensor.shape))
-    result = int(shard_bytes(tensor, dst, mesh))
-    steps = reshard_sequence(src, dst, mesh)
-    made = [int(tensor.nbytes * share) for _, _, share in steps]
-    if steps and steps[-1][0] != "all-to-all" and made[-1] == result:
-        made.pop()
-    return sum(made), result
-
-
-@functools.lru_cache(maxsize=4)  # program-only, like _liveness
-def _transposed_for_convolution(graph: OpGraph) -> tuple[tuple[int, int, int], ...]:
-    """(step, operand or -1 for the result, tensor) of every convolution operand and result
-    XLA transposes. Its convolution canonicalisation wants the input as (batch, spatial...,
-    feature), the kernel as (spatial..., in feature, out feature) and the result as the input;
-    otherwise it transposes into a buffer of its own (the forward pass's convolutions are
-    canonical, the weight gradient's are not: its input is read with batch and feature
-    exchanged, and its output gradient as the kernel)."""
-    out = []
-    for i, step in enumerate(graph.program):
-        eqn = step.eqn
-        if eqn is None or eqn.primitive.name != "conv_general_dilated":
-            continue
-        dn = eqn.params["dimension_numbers"]
-        rank = len(dn.lhs_spec)
-        canonical_data = (0, rank - 1, *range(1, rank - 1))
-        canonical_kernel = (rank - 1, rank - 2, *range(rank - 2))
-        for k, (spec, canonical) in enumerate(((dn.lhs_spec, canonical_data),
-                                               (dn.rhs_spec, canonical_kernel))):
-            if tuple(spec) != canonical:
-                out.append((i, k, step.inputs[k]))
-        if tuple(dn.out_spec) != canonical_data:
-            out.append((i, -1, step.outputs[0]))
-    return tuple(out)
 
 
 def _name(step: Any, i: int) -> str:

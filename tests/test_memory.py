@@ -46,6 +46,48 @@ def test_estimate_matches_compiled_memory(axes):
     assert sum(kinds.values()) == plan.memory["peak_bytes"] == plan.cost["peak_memory_bytes"]
 
 
+@pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming"])
+def test_estimate_matches_compiled_memory_of_transformers(search):
+    """The GPT's estimate, from the propagation of its batch's sharding (1.24 of compiled
+    before the scatter of the loss's gradient into its sum was seen) and from the search on a
+    2x2x2 mesh (0.84 before the copies of donated weights)."""
+    from jax.sharding import PartitionSpec as P
+    step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
+                                          layers=2)
+    if search == "sharding_propagation":
+        mesh, annotations = autopar.make_mesh({"data": 8}), {r"^batch/": P("data")}
+    else:
+        mesh, annotations = autopar.make_mesh({"data": 2, "model": 2, "inner": 2}), None
+    sharded = autopar.auto_parallel(step, mesh=mesh, search=search, annotations=annotations)
+    plan = sharded.plan(state, batch)
+    ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
+    assert 0.85 <= ratio <= 1.15, ratio
+
+
+def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
+    """XLA updates donated state in place. Where a reader of a weight's old value (the
+    backward pass's dot for the input gradient) is not ordered before the update by data
+    dependence, it copies the weight first: the estimate names the same weights."""
+    import re
+    from autopar.cost.hardware import get_profile
+    from autopar.xla_buffers import all_reduce_steps, copied_before_update
+    step, state, batch = mlp()
+    axes = {"data": 8}
+    graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
+                                       get_profile(None), "dynamic_programming")
+    specs = decisions.tensor_specs(graph)
+    aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
+               if specs[graph.outputs[o]] == specs[graph.inputs[i]]}
+    predicted = {graph.inputs.index(t) for t in copied_before_update(
+        graph, aliased, all_reduce_steps(graph, decisions, mesh_shape(axes)))}
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(axes), plan=plan)
+    text = sharded.lower(state, batch).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    argument = dict(re.findall(r"(%param[.\d]*) = \S+ parameter\((\d+)\)", entry))
+    copied = {int(argument[p]) for p in re.findall(r"= \S+ copy\((%param[.\d]*)\)", entry)}
+    assert copied and predicted == copied, (predicted, copied)
+
+
 def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
     """XLA transposes the operands of the backward pass's convolutions into buffers of their
     own: without them the ResNet's estimate was 0.78 of the compiled memory."""
@@ -57,27 +99,45 @@ def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
     assert 0.85 <= ratio <= 1.15, ratio
 
 
-def test_resharding_buffers_follow_the_collectives():
-    """The buffers a resharding makes beside its result, against XLA's temporaries for a step
-    that only reshards: an all-to-all's result (not the whole tensor, as counted before), the
-    gathered shard and the all-to-all after it, and the whole tensor where XLA has no pattern."""
+@pytest.mark.parametrize("reader", ["dot", "elementwise"])
+def test_resharding_buffers_follow_the_collectives(reader):
+    """The buffers of a resharding, against XLA's temporaries for a step that reshards a
+    tensor for one reader: the collectives' results; a copy into the result's layout where a
+    dimension other than the major one is gathered or an all-to-all's pieces arrive, unless
+    a loop fusion reads it; an all-to-all's pieces sent."""
+    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from autopar.memory import _reshard_buffers
+    from autopar.xla_buffers import reshard_buffers
     from autopar.ir import Tensor
     from autopar.rules.factors import from_partition_spec
     axes = {"data": 4, "model": 2}
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), tuple(axes))
-    for src, dst in [(("data", None), (None, "data")), (("data", "model"), (None, "data")),
-                     ((("data", "model"),), (None, "data")), (("data", None), (None, None))]:
-        out = NamedSharding(mesh, P(*dst))
-        step = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, out) * 3,
-                       in_shardings=NamedSharding(mesh, P(*src)), out_shardings=out)
-        temp = step.lower(jax.ShapeDtypeStruct((1024, 1024), "float32")).compile(
-            ).memory_analysis().temp_size_in_bytes
-        made, _ = _reshard_buffers(Tensor(0, (1024, 1024), "float32"),
-                                   from_partition_spec(P(*src), 2),
-                                   from_partition_spec(P(*dst), 2), mesh_shape(axes))
-        assert 0.5 * temp <= made <= 1.15 * temp if temp else made == 0, (src, dst, made, temp)
+    if reader == "dot":  # the contracted dimension stays whole, so the dot needs no more
+        cases = [(("data", None), (None, None)), ((None, "data"), (None, None)),
+                 (("data", "model"), (None, None)), (("data", "model"), ("data", None)),
+                 ((None, ("data", "model")), (None, None)), ((None, "data"), ("data", None))]
+    else:  # only where the gather does not run after the elementwise reader instead
+        cases = [((None, "data"), (None, None)), (("data", "model"), ("data", None)),
+                 ((None, ("data", "model")), (None, "data")), (("data", None), (None, "data")),
+                 ((None, "data"), ("data", None))]
+    for src, dst in cases:
+        to = NamedSharding(mesh, P(*dst))
+        if reader == "dot":
+            def step(x, w):
+                return jax.lax.with_sharding_constraint(x * 2, to) @ w
+        else:
+            def step(x, w):
+                return jnp.exp(jax.lax.with_sharding_constraint(x * 2, to)) + w[0, 0]
+        compiled = jax.jit(step, in_shardings=(NamedSharding(mesh, P(*src)),
+                                               NamedSharding(mesh, P()))).lower(
+            jax.ShapeDtypeStruct((1024, 1024), "float32"),
+            jax.ShapeDtypeStruct((1024, 4), "float32")).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        made, result = reshard_buffers(Tensor(0, (1024, 1024), "float32"),
+                                        from_partition_spec(P(*src), 2),
+                                        from_partition_spec(P(*dst), 2), mesh_shape(axes),
+                                        into_fusion=reader == "elementwise")
+        assert abs(made + result - temp) <= 0.05 * temp, (src, dst, made, result, temp)
 
 
 def test_a_plan_near_the_limit_fits_once_compiled(monkeypatch):

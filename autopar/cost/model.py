@@ -96,19 +96,20 @@ def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]
             [a for a in strategy.partial_axes if a not in placed])
 
 
-def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[int]:
+def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[tuple[int, int]]:
     """The all-gathers that drop `dropped` from `src`, as XLA emits them: one per tensor
     dimension losing axes (all its dropped axes at once), the last dimension first; each as
-    the factor by which it grows the buffer."""
-    return [n for axes in reversed(src)
-            if (n := group_size(mesh, [a for a in axes if a in dropped])) > 1]
+    (the dimension, the factor by which it grows the buffer)."""
+    return [(d, n) for d in reversed(range(len(src)))
+            if (n := group_size(mesh, [a for a in src[d] if a in dropped])) > 1]
 
 
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
-                     ) -> tuple[tuple[str, int, float], ...]:
+                     ) -> tuple[tuple[str, int, float, int], ...]:
     """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
-    devices in its group, its result's share of the tensor on one device).
+    devices in its group, its result's share of the tensor on one device, the dimension an
+    all-gather concatenates or -1).
 
     Axes that move (within or across dimensions) are one all-to-all; axes dropped are gathered
     (see `gathers`); axes added are free (each device keeps its slice). The all-to-all comes
@@ -137,14 +138,14 @@ def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
             or any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in across for q in across)):
         moved, dropped = [], list(where_src)  # the whole tensor, gathered
     gather_first = not added and bool(across) and bool(moved)
-    steps: list[tuple[str, int, float]] = []
+    steps: list[tuple[str, int, float, int]] = []
     if moved and not gather_first:
-        steps.append(("all-to-all", group_size(mesh, moved), share))
-    for n in gathers(src, dropped, mesh):
+        steps.append(("all-to-all", group_size(mesh, moved), share, -1))
+    for d, n in gathers(src, dropped, mesh):
         share *= n
-        steps.append(("all-gather", n, share))
+        steps.append(("all-gather", n, share, d))
     if moved and gather_first:
-        steps.append(("all-to-all", group_size(mesh, moved), share))
+        steps.append(("all-to-all", group_size(mesh, moved), share, -1))
     return tuple(steps)
 
 
@@ -156,7 +157,7 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
     """
     fraction = 0.0
     steps = reshard_sequence(src, dst, mesh)
-    for kind, n, share in steps:
+    for kind, n, share, _ in steps:
         # Gathering step by step moves the bytes one all-gather over all the axes would.
         fraction += (n - 1) / (2 * n if kind == "all-to-all" else n) * share
     return len(steps), fraction
@@ -167,7 +168,7 @@ def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
     """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
     steps of reshard_sequence, in the units a compiled program's collectives are read in."""
     out: dict[str, float] = {}
-    for kind, _, share in reshard_sequence(src, dst, mesh):
+    for kind, _, share, _ in reshard_sequence(src, dst, mesh):
         out[kind] = out.get(kind, 0.0) + tensor.nbytes * share
     return out
 

@@ -1,0 +1,255 @@
+"""What XLA's CPU compiler does to a step's buffers that the step's equations do not show:
+which operators it fuses, the copies and transposes it makes, the collectives it combines and
+the order it runs the optimizer's steps in. Each rule was read from XLA's dumps
+(`--xla_dump_to`: the optimized HLO, its buffer assignment and live ranges) and is checked
+against compiled steps in tests/test_memory.py; docs/decisions.md has the measurements.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from autopar.cost.model import group_size, partial_split, reshard_sequence, shard_bytes
+from autopar.ir import OpGraph, Tensor
+from autopar.mesh import MeshShape
+from autopar.rules.factors import Spec, replicated
+from autopar.rules.table import ELEMENTWISE
+
+# Operators XLA fuses into their reader.
+FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p"}
+# Readers that take fused producers in: loop fusions and reductions' input fusions.
+FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                          "argmin", "reduce_and", "reduce_or"}
+# Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
+# backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
+# (which live instead); an expensive one (exp, tanh, div, ...) read by the backward pass is kept.
+CHEAP = {
+    "abs", "add", "add_any", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p",
+    "eq", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lt", "max", "min",
+    "mul", "ne", "neg", "not", "or", "population_count", "real", "reduce_precision", "round",
+    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
+    "stop_gradient", "sub", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "transpose", "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"}
+
+
+@functools.lru_cache(maxsize=4)  # a memory budget estimates one graph under many plans
+def edges(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """Each value's producing program step, and the steps that read it."""
+    producer_step = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
+    readers: dict[int, list[int]] = {}
+    for i, step in enumerate(graph.program):
+        for t in set(step.inputs):
+            readers.setdefault(t, []).append(i)
+    return producer_step, readers
+
+
+def all_reduce_steps(graph: OpGraph, decisions: Any, mesh: MeshShape
+                     ) -> dict[int, tuple[str, ...]]:
+    """Program step -> the mesh axes its result's partial sums are all-reduced over."""
+    producer_step = edges(graph)[0]
+    out = {}
+    for op, strategy in zip(graph.ops, decisions.ops):
+        for t, spec in zip(op.outputs, strategy.out_specs):
+            axes = partial_split(strategy, spec)[1]
+            if group_size(mesh, axes) > 1 and t in producer_step:
+                out[producer_step[t]] = tuple(sorted(axes))
+    return out
+
+
+def scatter_into_sum(program: Any, producer_step: dict[int, int], primitive: Any, i: int,
+                      readers: Any) -> bool:
+    """Whether step i scatter-adds into zeros for a sum alone (the transpose of a gather, read
+    by the gradient's add): XLA's simplifier scatters into the sum's other operand instead, in
+    place, so the scatter has no buffer of its own."""
+    if primitive(i) != "scatter-add" or len(readers) != 1:
+        return False
+    into = producer_step.get(program[i].inputs[0])
+    return (into is not None and primitive(into) == "broadcast_in_dim"
+            and primitive(readers[0]) in ("add", "add_any"))
+
+
+def copied_before_update(graph: OpGraph, aliased: set[int],
+                          all_reduces: dict[int, tuple[str, ...]]) -> list[int]:
+    """The donated inputs XLA copies before updating them in place: those with a reader that
+    the update does not depend on (its copy insertion keeps the copy where the old value's
+    readers are not all ordered before the new value's definition by data dependence). XLA
+    combines all-reduces that do not depend on each other, over the same devices, into one;
+    each then depends on what any of them depends on (gradients all-reduced together order
+    every update after the whole backward pass)."""
+    producer_step, readers = edges(graph)
+    before = ancestors(graph)
+    groups = all_reduce_groups(graph, all_reduces)
+    members = [sum(1 << m for m in g) for g in groups]
+    reach = [functools.reduce(lambda a, m: a | before[m], g, 0) | members[k]
+             for k, g in enumerate(groups)]
+    out = []
+    for o, i in graph.state_pairs.items():
+        t, new = graph.inputs[i], graph.outputs[o]
+        update = producer_step.get(new)
+        if new not in aliased or update is None or t == new:
+            continue
+        after = before[update]
+        grown = True
+        while grown:
+            grown = False
+            for k in range(len(groups)):
+                if after & members[k] and (after | reach[k]) != after:
+                    after |= reach[k]
+                    grown = True
+        if any(r != update and not after >> r & 1 for r in readers.get(t, ())):
+            out.append(t)
+    return out
+
+
+def all_reduce_groups(graph: OpGraph, all_reduces: dict[int, tuple[str, ...]]
+                       ) -> list[list[int]]:
+    """The steps whose all-reduces XLA combines into one, as its combiner does: in program
+    order, over the same axes, each joining the open group unless it depends on a member."""
+    before = ancestors(graph)
+    groups: list[list[int]] = []
+    current: dict[tuple[str, ...], list[int]] = {}
+    for step in sorted(all_reduces):
+        group = current.get(all_reduces[step])
+        if group is None or any(before[step] >> m & 1 for m in group):
+            group = current[all_reduces[step]] = []
+            groups.append(group)
+        group.append(step)
+    return groups
+
+
+def schedule(graph: OpGraph, all_reduces: dict[int, tuple[str, ...]], tail: int
+             ) -> list[int] | None:
+    """Each program step's place in the order XLA runs them, or None for program order.
+
+    The steps from `tail` on, after the backward pass (the optimizer's), run as soon as their inputs are ready,
+    as XLA's memory-minimising scheduler places them: each weight's update follows its
+    gradient, which is then freed, unless its gradient is all-reduced together with others
+    (all_reduce_groups), whose updates wait for the last of them. Steps that read nothing
+    computed run just before their first reader."""
+    program = graph.program
+    if tail >= len(program):
+        return None
+    producer_step, readers = edges(graph)
+    ready = list(range(len(program)))
+    for group in all_reduce_groups(graph, all_reduces):
+        for m in group:
+            ready[m] = max(group)
+    at: list[float] = [float(i) for i in range(len(program))]
+    free: list[int] = []  # steps that read nothing computed, transitively
+    for i in range(tail, len(program)):
+        deps = [ready[p] if p < tail else at[p] for t in program[i].inputs
+                if (p := producer_step.get(t)) is not None and p not in free]
+        if deps:
+            at[i] = max(deps) + 0.5  # after its last input, before the next program step
+        else:
+            free.append(i)
+    for i in reversed(free):
+        at[i] = min([at[r] for t in program[i].outputs for r in readers.get(t, ())],
+                    default=at[i]) - 0.25
+    order = sorted(range(len(program)), key=lambda i: (at[i], i))
+    place = [0] * len(program)
+    for k, i in enumerate(order):
+        place[i] = k
+    return place
+
+
+@functools.lru_cache(maxsize=4)  # program-only, like edges
+def ancestors(graph: OpGraph) -> list[int]:
+    """Per program step, the steps it depends on, as a bit set."""
+    producer_step = edges(graph)[0]
+    out: list[int] = []
+    for step in graph.program:
+        bits = 0
+        for t in step.inputs:
+            p = producer_step.get(t)
+            if p is not None:
+                bits |= out[p] | 1 << p
+        out.append(bits)
+    return out
+
+
+def reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape,
+                     into_fusion: bool = False) -> tuple[int, int]:
+    """(the buffers the resharding's collectives make beside the result, the result). Each
+    collective's result is a buffer of its own (an all-gather's, the tensor gathered so far),
+    but the last one's is the result where nothing is sliced from it afterwards, unless it
+    must be copied into the result's layout: XLA gathers a dimension other than the major one
+    in a layout that makes it major, and an all-to-all's result comes in pieces. Loop fusions
+    (`into_fusion`: the resharded value's readers) read any layout, so they need no copy. An
+    all-to-all over n devices also copies the n - 1 pieces it sends into buffers of their
+    own; they are freed before a copy of its result is made. Where the partitioner has no
+    pattern it gathers the whole tensor and slices (see cost.model.reshard_sequence)."""
+    src = src or replicated(len(tensor.shape))
+    result = int(shard_bytes(tensor, dst, mesh))
+    steps = reshard_sequence(src, dst, mesh)
+    made = [int(tensor.nbytes * share) for _, _, share, _ in steps]
+    if steps and made[-1] == result:
+        kind, n, _, dim = steps[-1]
+        local = [size // group_size(mesh, axes) for size, axes in zip(tensor.shape, dst)]
+        if kind == "all-to-all" and into_fusion:
+            made[-1] = int(result * (1 - 1 / n))  # the pieces sent, beside the result
+        elif into_fusion or (kind == "all-gather" and all(k == 1 for k in local[:dim])):
+            made.pop()  # the last collective's result is the result
+    return sum(made), result
+
+
+@functools.lru_cache(maxsize=4)  # program-only, like edges
+def transposed_operands(graph: OpGraph) -> tuple[tuple[int, int, int], ...]:
+    """(step, operand or -1 for the result, tensor) of every convolution and dot operand and
+    result XLA transposes into a buffer of its own before computing."""
+    producer_step, readers = edges(graph)
+    out = []
+    for i, step in enumerate(graph.program):
+        name = step.eqn.primitive.name if step.eqn is not None else ""
+        if name == "conv_general_dilated":
+            out += [(i, k, step.outputs[0] if k < 0 else step.inputs[k])
+                    for k in _convolution_transposes(step.eqn.params["dimension_numbers"])]
+        elif name == "dot_general":
+            shapes = [graph.tensors[t].shape for t in step.inputs[:2]]
+            for k in _dot_transposes(step.eqn.params["dimension_numbers"], shapes):
+                t = step.inputs[k]
+                producer = producer_step.get(t)
+                # A transpose of a fused chain's result read by this dot alone fuses into the
+                # chain, which writes in the transposed order instead.
+                if (producer is None or len(readers[t]) > 1
+                        or graph.program[producer].eqn is None
+                        or graph.program[producer].eqn.primitive.name not in FUSED):
+                    out.append((i, k, t))
+    return tuple(out)
+
+
+def _convolution_transposes(dn: Any) -> list[int]:
+    """The operands (-1: the result) of a convolution XLA transposes. Its convolution
+    canonicalisation wants the input as (batch, spatial..., feature), the kernel as
+    (spatial..., in feature, out feature) and the result as the input (the forward pass's
+    convolutions are canonical, the weight gradient's are not: its input is read with batch
+    and feature exchanged, and its output gradient as the kernel)."""
+    rank = len(dn.lhs_spec)
+    canonical_data = (0, rank - 1, *range(1, rank - 1))
+    canonical_kernel = (rank - 1, rank - 2, *range(rank - 2))
+    out = [k for k, (spec, canonical) in enumerate(((dn.lhs_spec, canonical_data),
+                                                    (dn.rhs_spec, canonical_kernel)))
+           if tuple(spec) != canonical]
+    return out + ([-1] if tuple(dn.out_spec) != canonical_data else [])
+
+
+def _dot_transposes(dn: Any, shapes: list[tuple[int, ...]]) -> list[int]:
+    """The operands of a dot XLA transposes. Its dot decomposition rewrites a dot with more
+    than one contracting or non-contracting dimension per operand, or batch dimensions not
+    leading, as a matrix product of (batch, rows, contracted) by (batch, contracted, columns)
+    operands; an operand whose dimensions that reorders (other than those of size 1) is
+    transposed. The weight gradient of a (batch, sequence, features) activation is one: the
+    activation is read features first."""
+    contracting, batch = dn  # each (lhs dimensions, rhs dimensions)
+    if all(len(c) == 1 and len(b) + 2 >= len(shape) and tuple(b) == tuple(range(len(b)))
+           for c, b, shape in zip(contracting, batch, shapes)):
+        return []
+    out = []
+    for k, (c, b, shape) in enumerate(zip(contracting, batch, shapes)):
+        rest = [d for d in range(len(shape)) if d not in c and d not in b]
+        order = [*b, *rest, *c] if k == 0 else [*b, *c, *rest]
+        kept = [d for d in order if shape[d] != 1]
+        if kept != sorted(kept):
+            out.append(k)
+    return out
