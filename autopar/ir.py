@@ -73,6 +73,13 @@ class OpGraph:
     # output index -> input index when the output is the next step's value of that input (state)
     state_pairs: dict[int, int] = field(hash=False, compare=False, default_factory=dict)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:  # every per-graph analysis is cached on the graph: hashed once
+        return hash((self.tensors, self.ops, self.program, self.inputs, self.outputs))
+
     def producers(self) -> dict[int, tuple[int, int]]:
         """tensor id -> (op id, output index) for every tensor a planning op produces."""
         return {t: (op.id, k) for op in self.ops for k, t in enumerate(op.outputs)}

@@ -34,9 +34,9 @@ from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.xla_buffers import (CHEAP, FUSED, FUSING_READERS, all_reduce_steps,
-                                 copied_before_update, edges, reshard_buffers, scatter_into_sum,
-                                 schedule, transposed_operands)
+from autopar.xla_buffers import (CHEAP, FUSED, FUSING_READERS, all_reduce_groups,
+                                 all_reduce_steps, copied_before_update, edges, reshard_buffers,
+                                 scatter_into_sum, schedule, transposed_operands)
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
@@ -188,7 +188,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # Times: program order, but the update of the state follows its inputs at once (see
     # schedule); `last` is redone in those times where any step moves.
     done = max(backward_steps(graph), default=len(program))  # the backward pass's last step
-    when = schedule(graph, all_reduces or {}, done + 1)
+    groups = all_reduce_groups(graph, all_reduces or {})
+    when = schedule(graph, groups, done + 1)
     if when is not None:
         last = {}
         for i in range(len(program) - 1, -1, -1):
@@ -254,7 +255,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
                if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
     # A donated input is updated in place; XLA copies it for the readers of the old value not
     # ordered before the update (the optimizer's steps read the original).
-    for t in copied_before_update(graph, aliased, all_reduces or {}):
+    for t in copied_before_update(graph, aliased, groups):
         rs = [r for r in readers[t] if r <= done]
         first = min(when[r] for r in rs)
         buffers.append((first, _last_read(program, materialised, last, rs, first, when),

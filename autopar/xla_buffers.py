@@ -58,7 +58,7 @@ def all_reduce_steps(graph: OpGraph, decisions: Any, mesh: MeshShape
 
 
 def scatter_into_sum(program: Any, producer_step: dict[int, int], primitive: Any, i: int,
-                      readers: Any) -> bool:
+                     readers: Any) -> bool:
     """Whether step i scatter-adds into zeros for a sum alone (the transpose of a gather, read
     by the gradient's add): XLA's simplifier scatters into the sum's other operand instead, in
     place, so the scatter has no buffer of its own."""
@@ -69,17 +69,16 @@ def scatter_into_sum(program: Any, producer_step: dict[int, int], primitive: Any
             and primitive(readers[0]) in ("add", "add_any"))
 
 
-def copied_before_update(graph: OpGraph, aliased: set[int],
-                          all_reduces: dict[int, tuple[str, ...]]) -> list[int]:
+def copied_before_update(graph: OpGraph, aliased: set[int], groups: list[list[int]]
+                         ) -> list[int]:
     """The donated inputs XLA copies before updating them in place: those with a reader that
     the update does not depend on (its copy insertion keeps the copy where the old value's
     readers are not all ordered before the new value's definition by data dependence). XLA
-    combines all-reduces that do not depend on each other, over the same devices, into one;
-    each then depends on what any of them depends on (gradients all-reduced together order
-    every update after the whole backward pass)."""
+    combines all-reduces that do not depend on each other, over the same devices, into one
+    (`groups`, see all_reduce_groups); each then depends on what any of them depends on
+    (gradients all-reduced together order every update after the whole backward pass)."""
     producer_step, readers = edges(graph)
     before = ancestors(graph)
-    groups = all_reduce_groups(graph, all_reduces)
     members = [sum(1 << m for m in g) for g in groups]
     reach = [functools.reduce(lambda a, m: a | before[m], g, 0) | members[k]
              for k, g in enumerate(groups)]
@@ -118,33 +117,32 @@ def all_reduce_groups(graph: OpGraph, all_reduces: dict[int, tuple[str, ...]]
     return groups
 
 
-def schedule(graph: OpGraph, all_reduces: dict[int, tuple[str, ...]], tail: int
-             ) -> list[int] | None:
+def schedule(graph: OpGraph, groups: list[list[int]], tail: int) -> list[int] | None:
     """Each program step's place in the order XLA runs them, or None for program order.
 
-    The steps from `tail` on, after the backward pass (the optimizer's), run as soon as their inputs are ready,
-    as XLA's memory-minimising scheduler places them: each weight's update follows its
-    gradient, which is then freed, unless its gradient is all-reduced together with others
-    (all_reduce_groups), whose updates wait for the last of them. Steps that read nothing
-    computed run just before their first reader."""
+    The steps from `tail` on (the optimizer's, after the backward pass) run as soon as their
+    inputs are ready, as XLA's memory-minimising scheduler places them: each weight's update
+    follows its gradient, which is then freed, unless the gradient is all-reduced in one of
+    `groups` (all_reduce_groups), whose updates wait for the last of them. Steps that read
+    nothing computed run just before their first reader."""
     program = graph.program
     if tail >= len(program):
         return None
     producer_step, readers = edges(graph)
     ready = list(range(len(program)))
-    for group in all_reduce_groups(graph, all_reduces):
+    for group in groups:
         for m in group:
-            ready[m] = max(group)
+            ready[m] = group[-1]
     at: list[float] = [float(i) for i in range(len(program))]
-    free: list[int] = []  # steps that read nothing computed, transitively
+    free: set[int] = set()  # steps that read nothing computed, transitively
     for i in range(tail, len(program)):
         deps = [ready[p] if p < tail else at[p] for t in program[i].inputs
                 if (p := producer_step.get(t)) is not None and p not in free]
         if deps:
             at[i] = max(deps) + 0.5  # after its last input, before the next program step
         else:
-            free.append(i)
-    for i in reversed(free):
+            free.add(i)
+    for i in sorted(free, reverse=True):
         at[i] = min([at[r] for t in program[i].outputs for r in readers.get(t, ())],
                     default=at[i]) - 0.25
     order = sorted(range(len(program)), key=lambda i: (at[i], i))

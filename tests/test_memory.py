@@ -70,7 +70,7 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     dependence, it copies the weight first: the estimate names the same weights."""
     import re
     from autopar.cost.hardware import get_profile
-    from autopar.xla_buffers import all_reduce_steps, copied_before_update
+    from autopar.xla_buffers import all_reduce_groups, all_reduce_steps, copied_before_update
     step, state, batch = mlp()
     axes = {"data": 8}
     graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
@@ -78,8 +78,8 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     specs = decisions.tensor_specs(graph)
     aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
                if specs[graph.outputs[o]] == specs[graph.inputs[i]]}
-    predicted = {graph.inputs.index(t) for t in copied_before_update(
-        graph, aliased, all_reduce_steps(graph, decisions, mesh_shape(axes)))}
+    groups = all_reduce_groups(graph, all_reduce_steps(graph, decisions, mesh_shape(axes)))
+    predicted = {graph.inputs.index(t) for t in copied_before_update(graph, aliased, groups)}
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(axes), plan=plan)
     text = sharded.lower(state, batch).compile().as_text()
     entry = text[text.index("ENTRY"):]
