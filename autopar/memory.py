@@ -191,11 +191,14 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     groups = all_reduce_groups(graph, all_reduces or {})
     when = schedule(graph, groups, done + 1)
     if when is not None:
-        last = {}
+        # The steps before the optimizer's keep their order: a value they alone need is last
+        # needed at the time of its last step.
+        last = {t: when[end] for t, end in last.items() if end <= done}
         for i in range(len(program) - 1, -1, -1):
             for t in program[i].outputs:
-                last[t] = _last_read(program, materialised, last, readers.get(t, ()), when[i],
-                                     when)
+                if t not in last:
+                    last[t] = _last_read(program, materialised, last, readers.get(t, ()),
+                                         when[i], when)
     else:
         when = range(len(program))
 
@@ -215,7 +218,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     for t in materialised - outputs:
         start, rs = when[producer_step[t]], readers.get(t, ())
         label: Any = t  # named only if among the largest at the peak (naming is slow)
-        own = layer_at.get(start)
+        own = layer_at.get(producer_step[t])
         read_again = max([needed.get(layer_at[r], 0) for r in rs
                           if r in layer_at and layer_at[r] != own], default=0)
         used = uses(t) if own is not None else set()
@@ -257,6 +260,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # ordered before the update (the optimizer's steps read the original).
     for t in copied_before_update(graph, aliased, groups):
         rs = [r for r in readers[t] if r <= done]
+        if not rs:
+            continue
         first = min(when[r] for r in rs)
         buffers.append((first, _last_read(program, materialised, last, rs, first, when),
                         "temporaries", size(t), (t, -1, "copied")))

@@ -50,6 +50,8 @@ def all_reduce_steps(graph: OpGraph, decisions: Any, mesh: MeshShape
     producer_step = edges(graph)[0]
     out = {}
     for op, strategy in zip(graph.ops, decisions.ops):
+        if not strategy.partial_axes:
+            continue
         for t, spec in zip(op.outputs, strategy.out_specs):
             axes = partial_split(strategy, spec)[1]
             if group_size(mesh, axes) > 1 and t in producer_step:
@@ -102,7 +104,7 @@ def copied_before_update(graph: OpGraph, aliased: set[int], groups: list[list[in
 
 
 def all_reduce_groups(graph: OpGraph, all_reduces: dict[int, tuple[str, ...]]
-                       ) -> list[list[int]]:
+                      ) -> list[list[int]]:
     """The steps whose all-reduces XLA combines into one, as its combiner does: in program
     order, over the same axes, each joining the open group unless it depends on a member."""
     before = ancestors(graph)
