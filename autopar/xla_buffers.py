@@ -109,13 +109,16 @@ def all_reduce_groups(graph: OpGraph, all_reduces: dict[int, tuple[str, ...]]
     order, over the same axes, each joining the open group unless it depends on a member."""
     before = ancestors(graph)
     groups: list[list[int]] = []
-    current: dict[tuple[str, ...], list[int]] = {}
+    open_group: dict[tuple[str, ...], int] = {}  # axes -> index of the group still open
+    members: list[int] = []  # per group, its steps as a bit set
     for step in sorted(all_reduces):
-        group = current.get(all_reduces[step])
-        if group is None or any(before[step] >> m & 1 for m in group):
-            group = current[all_reduces[step]] = []
-            groups.append(group)
-        group.append(step)
+        k = open_group.get(all_reduces[step])
+        if k is None or before[step] & members[k]:
+            k = open_group[all_reduces[step]] = len(groups)
+            groups.append([])
+            members.append(0)
+        groups[k].append(step)
+        members[k] |= 1 << step
     return groups
 
 
