@@ -154,6 +154,12 @@ def plan_memory(graph: OpGraph, decisions: Any, mesh: MeshShape) -> MemoryEstima
                     all_reduce_steps(graph, decisions, mesh))
 
 
+def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
+    """The returned state that keeps its input's sharding: written into the donated input."""
+    return {graph.outputs[o] for o, i in graph.state_pairs.items()
+            if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
+
+
 def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
              reshards: dict[tuple[int, int], Spec] | None = None,
              recompute: Iterable[int] = (),
@@ -254,8 +260,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         spec = (reshards or {}).get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
         buffers.append((when[i], when[i], "temporaries", nbytes, (t, i, "transposed")))
-    aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
-               if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
+    aliased = updated_in_place(graph, specs)
     # A donated input is updated in place; XLA copies it for the readers of the old value not
     # ordered before the update (the optimizer's steps read the original).
     for t in copied_before_update(graph, aliased, groups):

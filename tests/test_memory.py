@@ -9,7 +9,7 @@ import autopar
 import models
 from autopar import budget
 from autopar.hlo import compiled_memory_bytes
-from autopar.memory import kept_bytes, parse_bytes
+from autopar.memory import kept_bytes, parse_bytes, updated_in_place
 from autopar.mesh import mesh_shape
 from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
 from autopar.planner import assemble, plan_step, solve
@@ -75,9 +75,7 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     axes = {"data": 8}
     graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
                                        get_profile(None), "dynamic_programming")
-    specs = decisions.tensor_specs(graph)
-    aliased = {graph.outputs[o] for o, i in graph.state_pairs.items()
-               if specs[graph.outputs[o]] == specs[graph.inputs[i]]}
+    aliased = updated_in_place(graph, decisions.tensor_specs(graph))
     groups = all_reduce_groups(graph, all_reduce_steps(graph, decisions, mesh_shape(axes)))
     predicted = {graph.inputs.index(t) for t in copied_before_update(graph, aliased, groups)}
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(axes), plan=plan)
