@@ -219,6 +219,39 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             if layer is not None:
                 needed.setdefault(layer, when[i])
 
+    # XLA merges equal resharding of one tensor (the lowering's constraints are equal) into one
+    # result. A resharding that only slices (no collective, no bigger result) its scheduler
+    # runs as soon as the value is made, so the whole value is freed then unless other readers
+    # still need it whole.
+    merged: dict[tuple[int, Spec], list[int]] = {}
+    for (i, k), spec in (reshards or {}).items():
+        merged.setdefault((program[i].inputs[k], spec), []).append(i)
+
+    def loop_fused(i: int) -> bool:
+        """Whether step i is a loop fusion, with the fused readers of its result: a loop
+        fusion reads an operand in any layout; a reduction (XLA's CPU backend emits a sum of
+        products as a library call) reads the default one."""
+        chain = {i} | {r for o in program[i].outputs if o not in materialised for r in uses(o)}
+        return all(program[r].eqn is not None and program[r].eqn.primitive.name in FUSED
+                   for r in chain)
+
+    resharding = {}
+    for (t, spec), steps in merged.items():
+        resharding[(t, spec)] = reshard_buffers(tensors[t], specs.get(t), spec, mesh,
+                                                all(loop_fused(i) for i in steps))
+    whole_until = {}  # sliced value -> the last time it is needed whole
+    for t in {t for t, _ in merged} & materialised - outputs:
+        if producer_step[t] in layer_at:  # recomputed: see below
+            continue
+        sliced = {i for (u, spec), steps in merged.items() if u == t
+                  and resharding[(u, spec)][0] == 0 and resharding[(u, spec)][1] <= size(t)
+                  for i in steps}
+        whole = [r for r in readers[t] if r not in sliced or any(
+            u == t and (r, k) not in (reshards or {}) for k, u in enumerate(program[r].inputs))]
+        if sliced and len(whole) < len(readers[t]):
+            whole_until[t] = _last_read(program, materialised, last, whole, when[producer_step[t]],
+                                        when)
+
     # Buffers as (first time, last time, kind, bytes, what).
     buffers = []
     for t in materialised - outputs:
@@ -236,20 +269,16 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             again = min(needed.get(own, min(bwd)), min(bwd))
             buffers.append((again, max(bwd), "temporaries", size(t), (t,)))
         else:
-            buffers.append((start, max(last[t], read_again), kind.get(t, "temporaries"),
-                            size(t), label))
-    # XLA merges equal resharding of one tensor (the lowering's constraints are equal): one
-    # result, live from the first step that reads it to the last (a weight gathered for the
-    # forward pass is kept for the backward pass); the gathered tensor it is sliced from, at
-    # the first.
-    merged: dict[tuple[int, Spec], list[int]] = {}
-    for (i, k), spec in (reshards or {}).items():
-        merged.setdefault((program[i].inputs[k], spec), []).append(i)
+            end = whole_until.get(t, max(last[t], read_again))
+            buffers.append((start, end, kind.get(t, "temporaries"), size(t), label))
+    # A resharding's result lives from the first step that reads it to the last (a weight
+    # gathered for the forward pass is kept for the backward pass), a slice from the value's
+    # making (see above); the gathered tensor it is sliced from, at the first.
     for (t, spec), steps in merged.items():
+        gathered, result = resharding[(t, spec)]
         first = min(when[i] for i in steps)
-        gathered, result = reshard_buffers(tensors[t], specs.get(t), spec, mesh, all(
-            program[i].eqn is not None and program[i].eqn.primitive.name in FUSING_READERS
-            for i in steps))
+        if t in whole_until and gathered == 0 and result <= size(t):
+            first = when[producer_step[t]]
         end = _last_read(program, materialised, last, steps, first, when)
         buffers.append((first, end, "temporaries", result, (t, min(steps))))
         if gathered:

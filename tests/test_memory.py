@@ -64,6 +64,24 @@ def test_estimate_matches_compiled_memory_of_transformers(search):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
+@pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming"])
+def test_estimate_follows_slices_and_layouts_of_mixture_of_experts(search):
+    """The mixture of experts replicates its dispatch and combine tensors and reads them
+    sliced: XLA slices each as soon as it is made and frees the whole (1.43 of compiled under
+    propagation before that was seen), and gathers a slice back in the default layout for the
+    backward pass's sum of products, a copy beside the gathered tensor (with the slices
+    alone, the search's plan read 0.86)."""
+    import architectures
+    from jax.sharding import PartitionSpec as P
+    step, state, batch = architectures.moe_setup(batch=8, seq=16, experts=8, d_model=64)
+    annotations = {r"^batch/": P("data")} if search == "sharding_propagation" else None
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), search=search,
+                                    annotations=annotations)
+    plan = sharded.plan(state, batch)
+    ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
+    assert 0.85 <= ratio <= 1.15, ratio
+
+
 def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     """XLA updates donated state in place. Where a reader of a weight's old value (the
     backward pass's dot for the input gradient) is not ordered before the update by data
