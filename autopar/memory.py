@@ -236,19 +236,19 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
                    for r in chain)
 
     resharding = {}
+    sliced: dict[int, set[int]] = {}  # value -> the steps that read it sliced
     for (t, spec), steps in merged.items():
-        resharding[(t, spec)] = reshard_buffers(tensors[t], specs.get(t), spec, mesh,
-                                                all(loop_fused(i) for i in steps))
+        gathered, result = resharding[(t, spec)] = reshard_buffers(
+            tensors[t], specs.get(t), spec, mesh, all(loop_fused(i) for i in steps))
+        if gathered == 0 and result <= size(t):
+            sliced.setdefault(t, set()).update(steps)
     whole_until = {}  # sliced value -> the last time it is needed whole
-    for t in {t for t, _ in merged} & materialised - outputs:
+    for t in sliced.keys() & materialised - outputs:
         if producer_step[t] in layer_at:  # recomputed: see below
             continue
-        sliced = {i for (u, spec), steps in merged.items() if u == t
-                  and resharding[(u, spec)][0] == 0 and resharding[(u, spec)][1] <= size(t)
-                  for i in steps}
-        whole = [r for r in readers[t] if r not in sliced or any(
+        whole = [r for r in readers[t] if r not in sliced[t] or any(
             u == t and (r, k) not in (reshards or {}) for k, u in enumerate(program[r].inputs))]
-        if sliced and len(whole) < len(readers[t]):
+        if len(whole) < len(readers[t]):
             whole_until[t] = _last_read(program, materialised, last, whole, when[producer_step[t]],
                                         when)
 
@@ -269,7 +269,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             again = min(needed.get(own, min(bwd)), min(bwd))
             buffers.append((again, max(bwd), "temporaries", size(t), (t,)))
         else:
-            end = whole_until.get(t, max(last[t], read_again))
+            end = max(whole_until.get(t, last[t]), read_again)
             buffers.append((start, end, kind.get(t, "temporaries"), size(t), label))
     # A resharding's result lives from the first step that reads it to the last (a weight
     # gathered for the forward pass is kept for the backward pass), a slice from the value's
