@@ -13,8 +13,9 @@ docs/decisions.md has the measurements):
 - An intermediate lives from its producer to its last reader; a fused reader reads at the end of
   its own fused chain. The optimizer's steps run as soon as their inputs are ready.
 - A resharded operand costs, at the operator that needs it, its collectives' results
-  (cost.model.reshard_sequence) and the result; a dot or convolution whose dimensions XLA
-  reorders costs a transposed copy of the operands it reorders.
+  (cost.model.reshard_sequence) and the result; a slice with no collective is made as soon
+  as its value is, which is then freed unless read whole. A dot or convolution whose
+  dimensions XLA reorders costs a transposed copy of the operands it reorders.
 - A recomputed layer keeps its forward results only as long as the forward pass reads them; the
   backward pass recomputes them when it first needs them.
 
@@ -220,9 +221,9 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
                 needed.setdefault(layer, when[i])
 
     # XLA merges equal resharding of one tensor (the lowering's constraints are equal) into one
-    # result. A resharding that only slices (no collective, no bigger result) its scheduler
-    # runs as soon as the value is made, so the whole value is freed then unless other readers
-    # still need it whole.
+    # result. Its scheduler runs a resharding that only slices (no collective, no bigger
+    # result) as soon as the value is made, so the whole value is freed then unless other
+    # readers still need it whole.
     merged: dict[tuple[int, Spec], list[int]] = {}
     for (i, k), spec in (reshards or {}).items():
         merged.setdefault((program[i].inputs[k], spec), []).append(i)
