@@ -236,13 +236,14 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         return all(program[r].eqn is not None and program[r].eqn.primitive.name in FUSED
                    for r in chain)
 
-    resharding = {}
+    resharding = {key: reshard_buffers(tensors[key[0]], specs.get(key[0]), key[1], mesh,
+                                       all(loop_fused(i) for i in steps))
+                  for key, steps in merged.items()}
+    slices = {key for key, (gathered, result) in resharding.items()
+              if gathered == 0 and result <= size(key[0])}
     sliced: dict[int, set[int]] = {}  # value -> the steps that read it sliced
-    for (t, spec), steps in merged.items():
-        gathered, result = resharding[(t, spec)] = reshard_buffers(
-            tensors[t], specs.get(t), spec, mesh, all(loop_fused(i) for i in steps))
-        if gathered == 0 and result <= size(t):
-            sliced.setdefault(t, set()).update(steps)
+    for t, spec in slices:
+        sliced.setdefault(t, set()).update(merged[(t, spec)])
     whole_until = {}  # sliced value -> the last time it is needed whole
     for t in sliced.keys() & materialised - outputs:
         if producer_step[t] in layer_at:  # recomputed: see below
@@ -278,7 +279,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     for (t, spec), steps in merged.items():
         gathered, result = resharding[(t, spec)]
         first = min(when[i] for i in steps)
-        if t in whole_until and gathered == 0 and result <= size(t):
+        if t in whole_until and (t, spec) in slices:
             first = when[producer_step[t]]
         end = _last_read(program, materialised, last, steps, first, when)
         buffers.append((first, end, "temporaries", result, (t, min(steps))))

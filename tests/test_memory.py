@@ -17,8 +17,16 @@ from autopar.problem import make_units
 from autopar.trace import trace
 from helpers import check_against_single_device, copy_tree, global_relative_error
 
+
 def compiled_bytes(step, state, batch) -> int:
     return compiled_memory_bytes(step.lower(state, batch).compile())
+
+
+def estimate_over_compiled(step, state, batch, mesh, search, annotations) -> float:
+    """The plan's estimated peak memory over the compiled step's."""
+    sharded = autopar.auto_parallel(step, mesh=mesh, search=search, annotations=annotations)
+    plan = sharded.plan(state, batch)
+    return plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
 
 
 def mlp():
@@ -58,9 +66,7 @@ def test_estimate_matches_compiled_memory_of_transformers(search):
         mesh, annotations = autopar.make_mesh({"data": 8}), {r"^batch/": P("data")}
     else:
         mesh, annotations = autopar.make_mesh({"data": 2, "model": 2, "inner": 2}), None
-    sharded = autopar.auto_parallel(step, mesh=mesh, search=search, annotations=annotations)
-    plan = sharded.plan(state, batch)
-    ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
+    ratio = estimate_over_compiled(step, state, batch, mesh, search, annotations)
     assert 0.85 <= ratio <= 1.15, ratio
 
 
@@ -75,10 +81,8 @@ def test_estimate_follows_slices_and_layouts_of_mixture_of_experts(search):
     from jax.sharding import PartitionSpec as P
     step, state, batch = architectures.moe_setup(batch=8, seq=16, experts=8, d_model=64)
     annotations = {r"^batch/": P("data")} if search == "sharding_propagation" else None
-    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), search=search,
-                                    annotations=annotations)
-    plan = sharded.plan(state, batch)
-    ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
+    ratio = estimate_over_compiled(step, state, batch, autopar.make_mesh({"data": 8}), search,
+                                   annotations)
     assert 0.85 <= ratio <= 1.15, ratio
 
 
