@@ -9,9 +9,11 @@ docs/decisions.md has the measurements):
   the dot's own buffer; a scatter into zeros that a sum alone reads scatters into the sum.
 - Arguments stay live for the whole step. The state is donated: a returned state that keeps its
   input's sharding reuses the input's buffer, after a copy where a reader of the old value is
-  not ordered before the update. Other results are counted whole.
+  not ordered before the update. The copies are made first, and the input's buffer holds other
+  buffers until the update. Other results are counted whole.
 - An intermediate lives from its producer to its last reader; a fused reader reads at the end of
-  its own fused chain. The optimizer's steps run as soon as their inputs are ready.
+  its own fused chain. The steps that read only inputs run first (after the copies), the
+  optimizer's as soon as their inputs are ready.
 - A resharded operand costs, at the operator that needs it, its collectives' results
   (cost.model.reshard_sequence) and the result; a slice with no collective is made as soon
   as its value is, which is then freed unless read whole. A dot or convolution whose
@@ -36,7 +38,8 @@ from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.xla_buffers import (CHEAP, FUSED, FUSING_READERS, all_reduce_groups,
-                                 all_reduce_steps, copied_before_update, edges, reshard_buffers,
+                                 all_reduce_steps, copied_before_update, edges, input_only_steps,
+                                 placed_in_donated, reshard_buffers,
                                  scatter_into_sum, schedule, transposed_operands)
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
@@ -179,7 +182,12 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             return 0
         return int(shard_bytes(tensor, specs.get(t, replicated(len(tensor.shape))), mesh))
 
-    producer_step, readers, kind, materialised, last = _liveness(graph)
+    producer_step, readers, kind, materialised, last, into_sum = _liveness(graph)
+    # A scatter into zeros for a sum alone scatters into the sum's other operand, unless the
+    # sum reads it resharded: then it is a buffer of its own (made first where it reads only
+    # inputs, as the loss's scatter of the labels does).
+    resharded = {program[i].inputs[k] for i, k in reshards or {}}
+    materialised |= into_sum & resharded
     outputs = set(graph.outputs)
 
     def uses(t: int) -> set[int]:
@@ -193,26 +201,31 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         return out
 
     # Times: program order, but the update of the state follows its inputs at once (see
-    # schedule); `last` is redone in those times where any step moves.
+    # schedule). XLA first copies the donated inputs it must copy (see copied_before_update),
+    # one after the other (times 0, 1, ...), then runs the steps that read only inputs (see
+    # input_only_steps); `last` is redone in those times.
     done = max(backward_steps(graph), default=len(program))  # the backward pass's last step
     groups = all_reduce_groups(graph, all_reduces or {})
-    when = schedule(graph, groups, done + 1)
-    if when is not None:
-        # The steps before the optimizer's keep their order: a value they alone need is last
-        # needed at the time of its last step.
-        last = {t: when[end] for t, end in last.items() if end <= done}
-        for i in range(len(program) - 1, -1, -1):
-            for t in program[i].outputs:
-                if t not in last:
-                    last[t] = _last_read(program, materialised, last, readers.get(t, ()),
-                                         when[i], when)
-    else:
-        when = range(len(program))
+    aliased = updated_in_place(graph, specs)
+    copied = [t for t in copied_before_update(graph, aliased, groups)
+              if any(r <= done for r in readers[t])]
+    begin = len(copied)  # the time of the first step
+    layer_at = recomputed_layer_of(graph, recompute)
+    early = input_only_steps(graph, done + 1) - layer_at.keys()
+    order = schedule(graph, groups, done + 1) or range(len(program))
+    when = [begin if i in early else begin + at for i, at in enumerate(order)]
+    # The steps before the optimizer's keep their order: a value they alone need is last
+    # needed at the time of its last step.
+    last = {t: when[end] for t, end in last.items() if end <= done}
+    for i in range(len(program) - 1, -1, -1):
+        for t in program[i].outputs:
+            if t not in last:
+                last[t] = _last_read(program, materialised, last, readers.get(t, ()), when[i],
+                                     when)
 
     # A layer is recomputed when the backward pass first reads one of its results; it reads
     # its inputs from other layers then, so those live until that step.
     backward = backward_steps(graph) if recompute else frozenset()
-    layer_at = recomputed_layer_of(graph, recompute)
     needed: dict[str, int] = {}
     for i in sorted(backward):
         for t in program[i].inputs:
@@ -246,7 +259,9 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         sliced.setdefault(t, set()).update(merged[(t, spec)])
     whole_until = {}  # sliced value -> the last time it is needed whole
     for t in sliced.keys() & materialised - outputs:
-        if producer_step[t] in layer_at:  # recomputed: see below
+        # Not a recomputed value (see below), nor one made first (XLA slices those where
+        # they are read).
+        if producer_step[t] in layer_at or producer_step[t] in early:
             continue
         whole = [r for r in readers[t] if r not in sliced[t] or any(
             u == t and (r, k) not in (reshards or {}) for k, u in enumerate(program[r].inputs))]
@@ -286,39 +301,45 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         if gathered:
             buffers.append((first, first, "temporaries", gathered, (t, min(steps))))
     # Convolutions and dots whose dimension numbers are not XLA's canonical ones get
-    # transposed copies of those operands (and a convolution's result), live at the step.
+    # transposed copies of those operands (and a convolution's result), live at the step; an
+    # input read as it is is transposed with the steps that read only inputs.
     for i, k, t in transposed_operands(graph):
         spec = (reshards or {}).get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
-        buffers.append((when[i], when[i], "temporaries", nbytes, (t, i, "transposed")))
-    aliased = updated_in_place(graph, specs)
-    # A donated input is updated in place; XLA copies it for the readers of the old value not
-    # ordered before the update (the optimizer's steps read the original).
-    for t in copied_before_update(graph, aliased, groups):
+        made = (begin if spec is None and k >= 0
+                and (t not in producer_step or producer_step[t] in early) else when[i])
+        buffers.append((made, when[i], "temporaries", nbytes, (t, i, "transposed")))
+    # A donated input is updated in place; XLA copies it, first of all, for the readers of the
+    # old value not ordered before the update (the optimizer's steps read the original). Its
+    # allocation is then free until the update, for other buffers.
+    slots = []
+    update_of = {graph.inputs[i]: producer_step[graph.outputs[o]]
+                 for o, i in graph.state_pairs.items()}
+    for at, t in enumerate(copied):
         rs = [r for r in readers[t] if r <= done]
-        if not rs:
-            continue
-        first = min(when[r] for r in rs)
-        buffers.append((first, _last_read(program, materialised, last, rs, first, when),
+        buffers.append((at, _last_read(program, materialised, last, rs, at, when),
                         "temporaries", size(t), (t, -1, "copied")))
+        slots.append((size(t), at + 1, when[update_of[t]] - 1))
+    placed = placed_in_donated([b[:2] + b[3:4] for b in buffers], slots) if slots else set()
+    buffers = [b for n, b in enumerate(buffers) if n not in placed]
     base: dict[str, int] = dict.fromkeys(KINDS, 0)
     for t in graph.inputs:
         base[kind[t]] += size(t)
     base["temporaries"] += sum(size(t) for t in outputs if t not in aliased)
 
-    delta = [0] * (len(program) + 1)
+    delta = [0] * (len(program) + begin + 1)
     for start, end, _, nbytes, _ in buffers:
         delta[start] += nbytes
         delta[end + 1] -= nbytes
-    peak, peak_step, live = sum(base.values()), -1, sum(base.values())
-    for i in range(len(program)):
+    peak, peak_time, live = sum(base.values()), -1, sum(base.values())
+    for i in range(len(delta) - 1):
         live += delta[i]
         if live > peak:
-            peak, peak_step = live, i
+            peak, peak_time = live, i
     at_peak = dict(base)
     held = [(size(t), tensors[t].path or f"input {t}") for t in graph.inputs]
     for start, end, k, nbytes, label in buffers:
-        if start <= peak_step <= end:
+        if start <= peak_time <= end:
             at_peak[k] += nbytes
             held.append((nbytes, label))
     held.sort(key=lambda h: -h[0])
@@ -339,21 +360,20 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         what = "transposing" if how else "resharding"
         return f"{what} {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"
 
-    if peak_step >= 0:
-        step = list(when).index(peak_step)
-        where = _name(program[step], step)
-    else:
-        where = "the start of the step"
+    at = [i for i, t in enumerate(when) if t == peak_time]
+    where = (_name(program[at[0]], at[0]) if at else "the copies of donated inputs"
+             if peak_time >= 0 else "the start of the step")
     return MemoryEstimate(int(peak), at_peak, where,
                           tuple((describe(w), b) for b, w in held[:5]))
 
 
 @functools.lru_cache(maxsize=4)  # a memory budget estimates one graph under many plans
 def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dict[int, str],
-                                       frozenset[int], dict[int, int]]:
+                                       frozenset[int], dict[int, int], frozenset[int]]:
     """What the estimate needs of the program alone: each value's producing step, its
-    readers, its kind (`roles`), which values get a buffer of their own, and the step at which
-    each value is last needed (a fused value is read where its fused reader's result is)."""
+    readers, its kind (`roles`), which values get a buffer of their own, the step at which
+    each value is last needed (a fused value is read where its fused reader's result is), and
+    the scatters into zeros that scatter into a sum instead (see scatter_into_sum)."""
     program = graph.program
 
     def primitive(i: int) -> str:
@@ -364,9 +384,11 @@ def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dic
     kind = dict(roles(graph))
     outputs = set(graph.outputs)
     materialised = set()
+    into_sum = set()
     for t, i in producer_step.items():
         rs = readers.get(t, ())
         if t not in outputs and scatter_into_sum(program, producer_step, primitive, i, rs):
+            into_sum.add(t)
             continue
         if (primitive(i) == "transpose" and len(readers.get(program[i].inputs[0], ())) == 1
                 and primitive(producer_step.get(program[i].inputs[0], i)) == "dot_general"):
@@ -382,7 +404,7 @@ def _liveness(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]], dic
     for i in range(len(program) - 1, -1, -1):  # backwards: readers are settled first
         for t in program[i].outputs:
             last[t] = _last_read(program, materialised, last, readers.get(t, ()), i)
-    return producer_step, readers, kind, frozenset(materialised), last
+    return producer_step, readers, kind, frozenset(materialised), last, frozenset(into_sum)
 
 
 def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Iterable[int],

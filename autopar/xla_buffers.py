@@ -6,6 +6,7 @@ against compiled steps in tests/test_memory.py; docs/decisions.md has the measur
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Any
 
@@ -238,21 +239,69 @@ def _convolution_transposes(dn: Any) -> list[int]:
 
 
 def _dot_transposes(dn: Any, shapes: list[tuple[int, ...]]) -> list[int]:
-    """The operands of a dot XLA transposes. Its dot decomposition rewrites a dot with more
-    than one contracting or non-contracting dimension per operand, or batch dimensions not
-    leading, as a matrix product of (batch, rows, contracted) by (batch, contracted, columns)
-    operands; an operand whose dimensions that reorders (other than those of size 1) is
-    transposed. The weight gradient of a (batch, sequence, features) activation is one: the
-    activation is read features first."""
+    """The operands of a dot XLA transposes. Its dot decomposition reshapes an operand with
+    more than one contracting or non-contracting dimension, or batch dimensions not leading,
+    into a (batch, rows, contracted) or (batch, contracted, columns) matrix; an operand whose
+    dimensions that reorders (other than those of size 1) is transposed. An operand that is a
+    matrix already is read as it is, transposed or not. The weight gradient of a (batch,
+    sequence, features) activation is one: the activation is read features first."""
     contracting, batch = dn  # each (lhs dimensions, rhs dimensions)
-    if all(len(c) == 1 and len(b) + 2 >= len(shape) and tuple(b) == tuple(range(len(b)))
-           for c, b, shape in zip(contracting, batch, shapes)):
-        return []
     out = []
     for k, (c, b, shape) in enumerate(zip(contracting, batch, shapes)):
         rest = [d for d in range(len(shape)) if d not in c and d not in b]
+        if len(c) == 1 and len(rest) <= 1 and tuple(b) == tuple(range(len(b))):
+            continue
         order = [*b, *rest, *c] if k == 0 else [*b, *c, *rest]
         kept = [d for d in order if shape[d] != 1]
         if kept != sorted(kept):
             out.append(k)
     return out
+
+
+# Steps XLA does not run ahead of their place in the program, whatever they read.
+IN_PLACE = {"dot_general", "conv_general_dilated", "scan", "while", "cond"}
+
+
+@functools.lru_cache(maxsize=4)  # program-only, like edges
+def input_only_steps(graph: OpGraph, tail: int) -> frozenset[int]:
+    """The steps before `tail` that XLA's scheduler runs at the start of the step: those that
+    read only the step's inputs and constants, directly or through other such steps, other
+    than dots, convolutions and loops (the gathers of embeddings, the loss's scatter of the
+    labels for the backward pass, the weights' copies and transposes)."""
+    producer_step = edges(graph)[0]
+    out: set[int] = set()
+    for i, step in enumerate(graph.program[:tail]):
+        name = step.eqn.primitive.name if step.eqn is not None else "copy_p"
+        if name not in IN_PLACE and all(producer_step.get(t, -1) in out or t not in producer_step
+                                        for t in step.inputs):
+            out.add(i)
+    return frozenset(out)
+
+
+def placed_in_donated(buffers: list[tuple[int, int, int]], slots: list[tuple[int, int, int]]
+                      ) -> set[int]:
+    """The `buffers` ((first time, last time, bytes)) that XLA's buffer assignment places in
+    the allocations of donated inputs (`slots`: (bytes, first free time, last free time)), so
+    that they take no memory beyond the inputs'.
+
+    A donated input copied before its update (copied_before_update) holds nothing from its
+    copy until the update writes into it. XLA assigns buffers largest first, each to the
+    smallest allocation it fits in whose other buffers it does not overlap in time; what
+    fits nowhere goes to the heap of temporaries."""
+    order = sorted(range(len(slots)), key=lambda s: slots[s][0])
+    sizes = [slots[s][0] for s in order]
+    held: list[list[tuple[int, int]]] = [[] for _ in slots]  # per slot, sorted (first, last)
+    placed = set()
+    for b in sorted(range(len(buffers)), key=lambda b: (-buffers[b][2], buffers[b][0])):
+        start, end, nbytes = buffers[b]
+        for s in order[bisect.bisect_left(sizes, nbytes):]:
+            _, free_from, free_until = slots[s]
+            if start < free_from or end > free_until:
+                continue
+            k = bisect.bisect(held[s], (start, end))
+            if ((k == 0 or held[s][k - 1][1] < start)
+                    and (k == len(held[s]) or held[s][k][0] > end)):
+                held[s].insert(k, (start, end))
+                placed.add(b)
+                break
+    return placed

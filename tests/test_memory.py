@@ -86,6 +86,47 @@ def test_estimate_follows_slices_and_layouts_of_mixture_of_experts(search):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
+def test_estimate_reuses_the_allocations_of_copied_weights():
+    """The encoder-decoder's search plan on 2x4 copies 21 weights before updating them in
+    place. XLA copies them first of all and puts other buffers, the copies of other weights
+    among them, in their freed allocations until the updates; it also runs the steps that
+    read only inputs first (the weights' transposes for the backward pass). Without both the
+    estimate read 1.27 of the compiled memory."""
+    import architectures
+    step, state, batch = architectures.encdec_setup(batch=8, seq=16, d_model=64)
+    ratio = estimate_over_compiled(step, state, batch, autopar.make_mesh({"data": 2, "model": 4}),
+                                   "dynamic_programming", None)
+    assert 0.85 <= ratio <= 1.15, ratio
+
+
+def test_buffers_go_into_freed_allocations_largest_first_after_the_copy():
+    """Two donated inputs of 64 bytes, copied at times 0 and 1 and free from the time after
+    their copy to 10: the first copy fits no allocation freed before it; the second goes into
+    the first input's; a small buffer then into the second's, the first being taken then."""
+    from autopar.xla_buffers import placed_in_donated
+    buffers = [(0, 8, 64), (1, 9, 64), (3, 4, 16), (2, 11, 8)]  # the last outlives both
+    assert placed_in_donated(buffers, [(64, 1, 10), (64, 2, 10)]) == {1, 2}
+
+
+@pytest.mark.parametrize("lhs, rhs, contracting, transposed", [
+    ((8, 16, 64), (256, 64), ((2,), (1,)), []),  # a dense layer's input gradient
+    ((8, 16, 4, 16), (64, 4, 16), ((2, 3), (1, 2)), [1]),  # an attention projection's
+    ((8, 16, 64), (8, 16, 256), ((0, 1), (0, 1)), [0]),  # a dense layer's weight gradient
+])
+def test_dot_operands_are_transposed_where_xla_transposes_them(lhs, rhs, contracting,
+                                                               transposed):
+    """XLA's dot decomposition copies an operand it must reorder in a loop fusion of its own;
+    a matrix it reads transposed needs none (the dense layers' weights were counted twice)."""
+    import re
+    from jax import lax
+    from autopar.xla_buffers import _dot_transposes
+    dot = jax.jit(lambda x, w: lax.dot_general(x, w, (contracting, ((), ()))))
+    text = dot.lower(np.zeros(lhs, np.float32), np.zeros(rhs, np.float32)).compile().as_text()
+    copies = len(re.findall(r"fusion\(.*kind=kLoop", text[text.index("ENTRY"):]))
+    assert _dot_transposes((contracting, ((), ())), [lhs, rhs]) == transposed
+    assert copies == len(transposed), text
+
+
 def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     """XLA updates donated state in place. Where a reader of a weight's old value (the
     backward pass's dot for the input gradient) is not ordered before the update by data
@@ -160,19 +201,24 @@ def test_resharding_buffers_follow_the_collectives(reader):
         assert abs(made + result - temp) <= 0.05 * temp, (src, dst, made, result, temp)
 
 
-def test_a_plan_near_the_limit_fits_once_compiled(monkeypatch):
-    """The memory benchmark's GPT at 0.1 of its unconstrained peak: the first plan fits the
-    limit on paper and not once compiled, so the step is planned again for a smaller estimate,
-    which fits, and trains as on one device. Allowed no second plan, it says why not."""
+def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch):
+    """The memory benchmark's GPT at 0.1 of its unconstrained peak: a plan whose estimate is
+    near the limit is compiled, and where XLA needs more than the limit the step is planned
+    again for a smaller estimate until it fits once compiled, and trains as on one device.
+    Allowed no second plan, it says why not. The estimate reads over XLA's figure on this
+    model now (under it before: the first plan compiled over the limit), so XLA's figure is
+    reported a fifth higher than it is."""
     from benchmarks.memory import CASES
     from autopar import api
+    compiled_bytes = api.compiled_memory_bytes
+    monkeypatch.setattr(api, "compiled_memory_bytes", lambda c: int(1.2 * compiled_bytes(c)))
     step, state, batch = CASES["gpt"]()
     mesh = autopar.make_mesh({"data": 8})
     free = autopar.plan(step, state, batch, mesh=mesh, hardware=SLOW_LINKS, memory_limit="1TiB")
     limit = int(0.1 * free.cost["peak_memory_bytes"])
     plan = check_against_single_device(step, state, batch, mesh, hardware=SLOW_LINKS,
                                        memory_limit=limit)
-    assert plan.search_stats["compile_checks"] == 2
+    assert plan.search_stats["compile_checks"] >= 2
     assert plan.cost["peak_memory_bytes"] <= limit and plan.memory["compiled_bytes"] <= limit
     assert "compiled by XLA" in plan.summary()
     monkeypatch.setattr(api, "COMPILE_CHECKS", 0)
