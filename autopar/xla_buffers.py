@@ -1,6 +1,7 @@
 """What XLA's CPU compiler does to a step's buffers that the step's equations do not show:
-which operators it fuses, the copies and transposes it makes, the collectives it combines and
-the order it runs the optimizer's steps in. Each rule was read from XLA's dumps
+which operators it fuses, the copies and transposes it makes, the collectives it combines, the
+steps it runs first and the optimizer's as soon as it can, and the donated inputs' allocations
+it fills while they hold nothing. Each rule was read from XLA's dumps
 (`--xla_dump_to`: the optimized HLO, its buffer assignment and live ranges) and is checked
 against compiled steps in tests/test_memory.py; docs/decisions.md has the measurements.
 """
@@ -267,12 +268,12 @@ def input_only_steps(graph: OpGraph, tail: int) -> frozenset[int]:
     """The steps before `tail` that XLA's scheduler runs at the start of the step: those that
     read only the step's inputs and constants, directly or through other such steps, other
     than dots, convolutions and loops (the gathers of embeddings, the loss's scatter of the
-    labels for the backward pass, the weights' copies and transposes)."""
+    labels for the backward pass, the weights' transposes)."""
     producer_step = edges(graph)[0]
     out: set[int] = set()
     for i, step in enumerate(graph.program[:tail]):
         name = step.eqn.primitive.name if step.eqn is not None else "copy_p"
-        if name not in IN_PLACE and all(producer_step.get(t, -1) in out or t not in producer_step
+        if name not in IN_PLACE and all(t not in producer_step or producer_step[t] in out
                                         for t in step.inputs):
             out.add(i)
     return frozenset(out)
