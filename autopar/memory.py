@@ -6,7 +6,8 @@ docs/decisions.md has the measurements):
 - Chains of elementwise and layout operators fuse into their reader, so their results get no
   buffer of their own, unless a reader cannot fuse them (a dot, a convolution, a loop), the
   backward pass keeps them, or several operators read them. A transpose of a dot's result is
-  the dot's own buffer; a scatter into zeros that a sum alone reads scatters into the sum.
+  the dot's own buffer; a scatter into zeros that a sum alone reads scatters into the sum,
+  unless the sum reads it resharded.
 - Arguments stay live for the whole step. The state is donated: a returned state that keeps its
   input's sharding reuses the input's buffer, after a copy where a reader of the old value is
   not ordered before the update. The copies are made first, and the input's buffer holds other
@@ -16,8 +17,9 @@ docs/decisions.md has the measurements):
   optimizer's as soon as their inputs are ready.
 - A resharded operand costs, at the operator that needs it, its collectives' results
   (cost.model.reshard_sequence) and the result; a slice with no collective is made as soon
-  as its value is, which is then freed unless read whole. A dot or convolution whose
-  dimensions XLA reorders costs a transposed copy of the operands it reorders.
+  as its value is, which is then freed unless read whole, and so is an activation resharded
+  and transposed for the weight gradient. A dot or convolution whose dimensions XLA reorders
+  costs a transposed copy of the operands it reorders.
 - A recomputed layer keeps its forward results only as long as the forward pass reads them; the
   backward pass recomputes them when it first needs them.
 
@@ -290,13 +292,28 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             buffers.append((start, end, kind.get(t, "temporaries"), size(t), label))
     # A resharding's result lives from the first step that reads it to the last (a weight
     # gathered for the forward pass is kept for the backward pass), a slice from the value's
-    # making (see above); the gathered tensor it is sliced from, at the first.
+    # making (see above); the gathered tensor it is sliced from, at the first. A forward value
+    # resharded for backward steps that transpose it (a weight gradient's convolution reads
+    # its activation so) is resharded and transposed as soon as it is made: the transposed
+    # copy lives from then, the resharded value only until it is transposed.
+    transposed = {(i, k) for i, k, _ in transposed_operands(graph)}
+    in_backward = backward_steps(graph)
+    transposed_from: dict[tuple[int, int], int] = {}  # (step, operand) -> when it is made
     for (t, spec), steps in merged.items():
         gathered, result = resharding[(t, spec)]
         first = min(when[i] for i in steps)
+        end = None
         if t in whole_until and (t, spec) in slices:
             first = when[producer_step[t]]
-        end = _last_read(program, materialised, last, steps, first, when)
+        elif (t in producer_step and producer_step[t] not in in_backward
+              and producer_step[t] not in early and all(i in in_backward for i in steps)
+              and all((i, k) in transposed for i in steps
+                      for k, u in enumerate(program[i].inputs) if u == t)):
+            first = end = when[producer_step[t]] + 1
+            transposed_from.update({(i, k): first for i in steps
+                                    for k, u in enumerate(program[i].inputs) if u == t})
+        if end is None:
+            end = _last_read(program, materialised, last, steps, first, when)
         buffers.append((first, end, "temporaries", result, (t, min(steps))))
         if gathered:
             buffers.append((first, first, "temporaries", gathered, (t, min(steps))))
@@ -307,7 +324,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         spec = (reshards or {}).get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
         made = (begin if spec is None and k >= 0
-                and (t not in producer_step or producer_step[t] in early) else when[i])
+                and (t not in producer_step or producer_step[t] in early) else
+                transposed_from.get((i, k), when[i]))
         buffers.append((made, when[i], "temporaries", nbytes, (t, i, "transposed")))
     # A donated input is updated in place; XLA copies it, first of all, for the readers of the
     # old value not ordered before the update (the optimizer's steps read the original). Its
