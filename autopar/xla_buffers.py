@@ -11,6 +11,8 @@ import bisect
 import functools
 from typing import Any
 
+import numpy as np
+
 from autopar.cost.model import group_size, partial_split, reshard_sequence, shard_bytes
 from autopar.ir import OpGraph, Tensor
 from autopar.mesh import MeshShape
@@ -291,18 +293,31 @@ def placed_in_donated(buffers: list[tuple[int, int, int]], slots: list[tuple[int
     fits nowhere goes to the heap of temporaries."""
     order = sorted(range(len(slots)), key=lambda s: slots[s][0])
     sizes = [slots[s][0] for s in order]
-    held: list[list[tuple[int, int]]] = [[] for _ in slots]  # per slot, sorted (first, last)
+    last = max([b[1] for b in buffers] + [s[2] for s in slots]) + 1
+    # Per time, a bit per allocation (in `order`) set where it is not free then: only those
+    # free at a buffer's first and last times need their buffers' times compared.
+    taken = np.zeros((last + 1, (len(order) + 7) // 8), dtype=np.uint8)
+
+    def take(n: int, first: int, end: int) -> None:
+        taken[first:end + 1, n // 8] |= np.uint8(128 >> n % 8)
+
+    for n, s in enumerate(order):
+        take(n, 0, slots[s][1] - 1)
+        take(n, slots[s][2] + 1, last)
+    held: list[list[tuple[int, int]]] = [[] for _ in order]  # per allocation, (first, last)
     placed = set()
     for b in sorted(range(len(buffers)), key=lambda b: (-buffers[b][2], buffers[b][0])):
         start, end, nbytes = buffers[b]
-        for s in order[bisect.bisect_left(sizes, nbytes):]:
-            _, free_from, free_until = slots[s]
-            if start < free_from or end > free_until:
-                continue
-            k = bisect.bisect(held[s], (start, end))
-            if ((k == 0 or held[s][k - 1][1] < start)
-                    and (k == len(held[s]) or held[s][k][0] > end)):
-                held[s].insert(k, (start, end))
+        smallest = bisect.bisect_left(sizes, nbytes)
+        if smallest == len(order):
+            continue
+        free = np.unpackbits(~(taken[start] | taken[end]), count=len(order))
+        for n in np.flatnonzero(free[smallest:]) + smallest:
+            k = bisect.bisect(held[n], (start, end))
+            if ((k == 0 or held[n][k - 1][1] < start)
+                    and (k == len(held[n]) or held[n][k][0] > end)):
+                held[n].insert(k, (start, end))
+                take(n, start, end)
                 placed.add(b)
                 break
     return placed
