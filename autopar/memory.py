@@ -318,8 +318,9 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         if gathered:
             buffers.append((first, first, "temporaries", gathered, (t, min(steps))))
     # Convolutions and dots whose dimension numbers are not XLA's canonical ones get
-    # transposed copies of those operands (and a convolution's result), live at the step; an
-    # input read as it is is transposed with the steps that read only inputs.
+    # transposed copies of those operands (and a convolution's result), live at the step. The
+    # copy of an input, or of a value made from inputs alone, read unresharded is made with
+    # the steps that read only inputs; that of a resharded activation as above.
     for i, k, t in transposed_operands(graph):
         spec = (reshards or {}).get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
@@ -378,8 +379,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         what = "transposing" if how else "resharding"
         return f"{what} {tensors[t].path or f'tensor {t}'} for {_name(program[i], i)}"
 
-    at = [i for i, t in enumerate(when) if t == peak_time]
-    where = (_name(program[at[0]], at[0]) if at else "the copies of donated inputs"
+    then = [i for i, t in enumerate(when) if t == peak_time]
+    where = (_name(program[then[0]], then[0]) if then else "the copies of donated inputs"
              if peak_time >= 0 else "the start of the step")
     return MemoryEstimate(int(peak), at_peak, where,
                           tuple((describe(w), b) for b, w in held[:5]))
