@@ -177,6 +177,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     tensors = graph.tensors
     program = graph.program
     recompute = set(recompute)
+    reshards = reshards or {}
 
     def size(t: int) -> int:
         tensor = tensors[t]
@@ -188,7 +189,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # A scatter into zeros for a sum alone scatters into the sum's other operand, unless the
     # sum reads it resharded: then it is a buffer of its own (made first where it reads only
     # inputs, as the loss's scatter of the labels does).
-    resharded = {program[i].inputs[k] for i, k in reshards or {}}
+    resharded = {program[i].inputs[k] for i, k in reshards}
     materialised |= into_sum & resharded
     outputs = set(graph.outputs)
 
@@ -206,7 +207,8 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # schedule). XLA first copies the donated inputs it must copy (see copied_before_update),
     # one after the other (times 0, 1, ...), then runs the steps that read only inputs (see
     # input_only_steps); `last` is redone in those times.
-    done = max(backward_steps(graph), default=len(program))  # the backward pass's last step
+    in_backward = backward_steps(graph)
+    done = max(in_backward, default=len(program))  # the backward pass's last step
     groups = all_reduce_groups(graph, all_reduces or {})
     aliased = updated_in_place(graph, specs)
     copied = [t for t in copied_before_update(graph, aliased, groups)
@@ -227,7 +229,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
 
     # A layer is recomputed when the backward pass first reads one of its results; it reads
     # its inputs from other layers then, so those live until that step.
-    backward = backward_steps(graph) if recompute else frozenset()
+    backward = in_backward if recompute else frozenset()
     needed: dict[str, int] = {}
     for i in sorted(backward):
         for t in program[i].inputs:
@@ -240,7 +242,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # result) as soon as the value is made, so the whole value is freed then unless other
     # readers still need it whole.
     merged: dict[tuple[int, Spec], list[int]] = {}
-    for (i, k), spec in (reshards or {}).items():
+    for (i, k), spec in reshards.items():
         merged.setdefault((program[i].inputs[k], spec), []).append(i)
 
     def loop_fused(i: int) -> bool:
@@ -266,7 +268,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
         if producer_step[t] in layer_at or producer_step[t] in early:
             continue
         whole = [r for r in readers[t] if r not in sliced[t] or any(
-            u == t and (r, k) not in (reshards or {}) for k, u in enumerate(program[r].inputs))]
+            u == t and (r, k) not in reshards for k, u in enumerate(program[r].inputs))]
         if len(whole) < len(readers[t]):
             whole_until[t] = _last_read(program, materialised, last, whole, when[producer_step[t]],
                                         when)
@@ -297,8 +299,12 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # its activation so) is resharded and transposed as soon as it is made: the transposed
     # copy lives from then, the resharded value only until it is transposed.
     transposed = {(i, k) for i, k, _ in transposed_operands(graph)}
-    in_backward = backward_steps(graph)
     transposed_from: dict[tuple[int, int], int] = {}  # (step, operand) -> when it is made
+
+    def operands(t: int, steps: list[int]) -> list[tuple[int, int]]:
+        """(step, operand) wherever `steps` read t."""
+        return [(i, k) for i in steps for k, u in enumerate(program[i].inputs) if u == t]
+
     for (t, spec), steps in merged.items():
         gathered, result = resharding[(t, spec)]
         first = min(when[i] for i in steps)
@@ -307,11 +313,9 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
             first = when[producer_step[t]]
         elif (t in producer_step and producer_step[t] not in in_backward
               and producer_step[t] not in early and all(i in in_backward for i in steps)
-              and all((i, k) in transposed for i in steps
-                      for k, u in enumerate(program[i].inputs) if u == t)):
+              and all(p in transposed for p in operands(t, steps))):
             first = end = when[producer_step[t]] + 1
-            transposed_from.update({(i, k): first for i in steps
-                                    for k, u in enumerate(program[i].inputs) if u == t})
+            transposed_from.update(dict.fromkeys(operands(t, steps), first))
         if end is None:
             end = _last_read(program, materialised, last, steps, first, when)
         buffers.append((first, end, "temporaries", result, (t, min(steps))))
@@ -322,7 +326,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # copy of an input, or of a value made from inputs alone, read unresharded is made with
     # the steps that read only inputs; that of a resharded activation as above.
     for i, k, t in transposed_operands(graph):
-        spec = (reshards or {}).get((i, k)) if k >= 0 else None
+        spec = reshards.get((i, k)) if k >= 0 else None
         nbytes = size(t) if spec is None else int(shard_bytes(tensors[t], spec, mesh))
         made = (begin if spec is None and k >= 0
                 and (t not in producer_step or producer_step[t] in early) else
