@@ -7,11 +7,12 @@ from autopar.annotate import shard
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.cost.hardware import PROFILES, Hardware, measure_host
 from autopar.errors import AutoparError
+from autopar.judge import Evaluation, evaluate
 from autopar.mesh import make_mesh
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.problem import AutoparWarning
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "PROFILES", "Hardware",
-           "measure_host", "AutoparError", "AutoparWarning", "make_mesh", "OpDecision", "Plan",
+           "measure_host", "AutoparError", "Evaluation", "evaluate", "AutoparWarning", "make_mesh", "OpDecision", "Plan",
            "Redistribution", "TensorPlan", "load_plan"]
 __version__ = "0.1.0"

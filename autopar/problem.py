@@ -316,12 +316,13 @@ class _Resharding:
         if key not in self._terms:
             src_idx, src_list = _distinct(srcs)
             dst_idx, dst_list = _distinct(dsts)
-            table = np.array([reshard_terms(s, d, self.mesh) for s in src_list for d in dst_list],
+            table = np.array([reshard_terms(s, d, self.mesh, self.hw)
+                              for s in src_list for d in dst_list],
                              dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
             table = table[src_idx, dst_idx] if paired else table[np.ix_(src_idx, dst_idx)]
             self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
-        count, fraction = self._terms[key]
-        return count * self.hw.link_latency + fraction * (tensor.nbytes / self.hw.link_bandwidth)
+        latency, per_byte = self._terms[key]
+        return latency + per_byte * tensor.nbytes
 
 
 def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, ...],

@@ -190,9 +190,9 @@ def reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape
     src = src or replicated(len(tensor.shape))
     result = int(shard_bytes(tensor, dst, mesh))
     steps = reshard_sequence(src, dst, mesh)
-    made = [int(tensor.nbytes * share) for _, _, share, _ in steps]
+    made = [int(tensor.nbytes * share) for _, _, share, _, _ in steps]
     if steps and made[-1] == result:
-        kind, n, _, dim = steps[-1]
+        kind, n, _, dim, _ = steps[-1]
         local = [size // group_size(mesh, axes) for size, axes in zip(tensor.shape, dst)]
         if kind == "all-to-all" and into_fusion:
             made[-1] = int(result * (1 - 1 / n))  # the pieces sent, beside the result

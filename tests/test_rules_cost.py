@@ -4,6 +4,7 @@ import math
 import pytest
 
 from autopar.cost import PROFILES
+from autopar.cost.hardware import Link, group_link
 from autopar.cost.model import (all_gather, all_reduce, all_to_all, op_collectives, op_time,
                                 reshard_time)
 from autopar.ir import Op, Tensor
@@ -89,10 +90,11 @@ def test_unknown_primitive_has_no_rule():
 
 def test_collective_formulas():
     b = 1e9
-    assert all_reduce(b, 4, HW) == pytest.approx(HW.link_latency + 2 * 3 / 4 * b / HW.link_bandwidth)
-    assert all_gather(b, 4, HW) == pytest.approx(HW.link_latency + 3 / 4 * b / HW.link_bandwidth)
-    assert all_to_all(b, 4, HW) == pytest.approx(HW.link_latency + 3 / 8 * b / HW.link_bandwidth)
-    assert all_reduce(b, 1, HW) == 0.0
+    link = Link(HW.link_latency, HW.link_bandwidth)
+    assert all_reduce(b, 4, link) == pytest.approx(HW.link_latency + 2 * 3 / 4 * b / HW.link_bandwidth)
+    assert all_gather(b, 4, link) == pytest.approx(HW.link_latency + 3 / 4 * b / HW.link_bandwidth)
+    assert all_to_all(b, 4, link) == pytest.approx(HW.link_latency + 3 / 8 * b / HW.link_bandwidth)
+    assert all_reduce(b, 1, link) == 0.0
 
 
 def test_reshard_costs():
@@ -101,6 +103,7 @@ def test_reshard_costs():
     row = (("data",), ())
     col = ((), ("data",))
     assert reshard_time(t, rep, row, MESH, HW) == 0.0  # slicing is free
-    assert reshard_time(t, row, rep, MESH, HW) == pytest.approx(all_gather(t.nbytes, 2, HW))
-    assert reshard_time(t, row, col, MESH, HW) == pytest.approx(all_to_all(t.nbytes / 2, 2, HW))
+    link = group_link(HW, MESH, ("data",))
+    assert reshard_time(t, row, rep, MESH, HW) == pytest.approx(all_gather(t.nbytes, 2, link))
+    assert reshard_time(t, row, col, MESH, HW) == pytest.approx(all_to_all(t.nbytes / 2, 2, link))
 

@@ -1,15 +1,46 @@
-"""Hardware profiles: data with their sources, or measured on the machine at hand."""
+"""Hardware profiles: data with their sources, or measured on the machine at hand.
+
+A profile's links come in levels, fastest first: NVLink inside a node, then the network
+between nodes. A mesh's axes sit on those levels, by default the innermost (last) axes on the
+fastest level while the devices they span fit in it (`axis_links`); a collective over several
+axes runs at the slowest of their links.
+"""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
+from autopar.mesh import MeshShape
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a collective step costs on one kind of link: alpha and 1/beta."""
+
+    latency: float  # seconds of fixed cost per collective step
+    bandwidth: float  # bytes per second one device sends
+
+
+@dataclass(frozen=True)
+class LinkLevel:
+    """One level of the interconnect: the devices it joins and each device's link there."""
+
+    name: str
+    devices: int  # devices joined at this level, those of the levels below included; 0: any
+    bandwidth: float  # bytes per second one device sends
+    latency: float  # seconds of fixed cost per collective step
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the cost model needs to know about one device and the links between devices."""
+    """What the cost model needs to know about one device and the links between devices.
+
+    `link_bandwidth` and `link_latency` describe the fastest links; `levels` (fastest first)
+    adds the slower ones, and `axis_levels` ((axis name, level name) pairs) places mesh axes
+    on levels by hand where the default placement (innermost axes on the fastest level) is
+    not how the devices are wired."""
 
     name: str
     flops: float  # peak floating-point operations per second of one device (training dtype)
@@ -18,6 +49,46 @@ class Hardware:
     link_latency: float  # seconds of fixed cost per collective step (alpha)
     memory_bytes: int  # memory of one device
     source: str = ""
+    levels: tuple[LinkLevel, ...] = ()
+    axis_levels: tuple[tuple[str, str], ...] = ()
+
+    def link_levels(self) -> tuple[LinkLevel, ...]:
+        """The levels, fastest first; one level of any size where the profile gives none."""
+        return self.levels or (LinkLevel("link", 0, self.link_bandwidth, self.link_latency),)
+
+
+@functools.lru_cache(maxsize=256)
+def axis_links(hw: Hardware, mesh: MeshShape) -> tuple[Link, ...]:
+    """The link of each mesh axis. Walking from the innermost axis outwards, an axis sits on
+    the fastest level that still holds all the devices of the axes walked so far (8 GPUs of a
+    node: a (4, 2) mesh's both axes, a (16, 8) mesh's second only); `hw.axis_levels` overrides."""
+    levels = hw.link_levels()
+    by_name = {level.name: level for level in levels}
+    chosen = dict(hw.axis_levels)
+    unknown = sorted(set(chosen.values()) - set(by_name))
+    if unknown:
+        raise AutoparError(
+            f"hardware {hw.name!r} places mesh axes on link levels {unknown} it does not have. "
+            f"Fix: use level names from {sorted(by_name)} in axis_levels.")
+    out: list[Link] = []
+    spanned = 1
+    for name, size in reversed(list(zip(mesh.names, mesh.sizes))):
+        spanned *= size
+        level = by_name[chosen[name]] if name in chosen else next(
+            (lv for lv in levels if lv.devices == 0 or spanned <= lv.devices), levels[-1])
+        out.append(Link(level.latency, level.bandwidth))
+    return tuple(reversed(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def group_link(hw: Hardware, mesh: MeshShape, axes: tuple[str, ...]) -> Link:
+    """The link of a collective over `axes`: its slowest member's (the largest latency, the
+    smallest bandwidth); the fastest level's for a group of no axes."""
+    links = axis_links(hw, mesh)
+    chosen = [links[mesh.names.index(a)] for a in axes if mesh.axis_size(a) > 1]
+    if not chosen:
+        return Link(hw.link_latency, hw.link_bandwidth)
+    return Link(max(k.latency for k in chosen), min(k.bandwidth for k in chosen))
 
 
 PROFILES: dict[str, Hardware] = {
@@ -29,18 +100,32 @@ PROFILES: dict[str, Hardware] = {
     "a100": Hardware(
         "a100", flops=312e12, memory_bandwidth=2.039e12, link_bandwidth=300e9, link_latency=5e-6,
         memory_bytes=80 * 2**30,
+        levels=(LinkLevel("nvlink", 8, 300e9, 5e-6), LinkLevel("network", 0, 25e9, 1e-5)),
         source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, "
-               "NVLink 600 GB/s bidirectional (300 GB/s each way)."),
+               "NVLink 600 GB/s bidirectional (300 GB/s each way) among the 8 GPUs of a node; "
+               "DGX A100: one 200 Gb/s HDR InfiniBand port per GPU between nodes (25 GB/s)."),
     "h100": Hardware(
         "h100", flops=989e12, memory_bandwidth=3.35e12, link_bandwidth=450e9, link_latency=5e-6,
         memory_bytes=80 * 2**30,
+        levels=(LinkLevel("nvlink", 8, 450e9, 5e-6), LinkLevel("network", 0, 50e9, 1e-5)),
         source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 "
-               "GB/s bidirectional (450 GB/s each way)."),
+               "GB/s bidirectional (450 GB/s each way) among the 8 GPUs of a node; DGX H100: "
+               "one 400 Gb/s NDR InfiniBand port per GPU between nodes (50 GB/s)."),
     "tpu_v4": Hardware(
         "tpu_v4", flops=275e12, memory_bandwidth=1.2e12, link_bandwidth=45e9 * 2, link_latency=1e-5,
         memory_bytes=32 * 2**30,
+        levels=(LinkLevel("ici", 4096, 90e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v4 documentation: 275 TFLOP/s bf16, 32 GiB HBM at 1,200 GB/s; "
-               "ICI links of ~45 GB/s each way, two per mesh axis (torus)."),
+               "ICI links of ~45 GB/s each way, two per mesh axis (torus), across a pod of up "
+               "to 4,096 chips; between slices the data-centre network, taken as 200 Gb/s per "
+               "4-chip host (6.25 GB/s per chip: an assumption, measure with your cluster)."),
+    "tpu_v5p": Hardware(
+        "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
+        link_latency=1e-5, memory_bytes=95 * 10**9,
+        levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
+        source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
+               "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
+               "slices taken as v4's data-centre network (an assumption)."),
 }
 
 

@@ -2,7 +2,9 @@
 
 Collectives use the alpha-beta model over the devices of the mesh axes involved, with B the
 bytes each device holds of the buffer: all-reduce a + 2b(n-1)/n B, all-gather and
-reduce-scatter a + b(n-1)/n B (B the gathered size), all-to-all a + b(n-1)/(2n) B.
+reduce-scatter a + b(n-1)/n B (B the gathered size), all-to-all a + b(n-1)/(2n) B. Alpha and
+beta are those of the link the axes sit on (`hardware.group_link`): a collective over an axis
+that crosses nodes pays the network's.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import functools
 import math
 from typing import Sequence
 
-from autopar.cost.hardware import Hardware
+from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.ir import Op, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
@@ -20,22 +22,37 @@ def group_size(mesh: MeshShape, axes: Sequence[str]) -> int:
     return math.prod(mesh.axis_size(a) for a in axes)
 
 
-def all_reduce(nbytes: float, n: int, hw: Hardware) -> float:
-    return 0.0 if n <= 1 else hw.link_latency + 2 * (n - 1) / n * nbytes / hw.link_bandwidth
+def all_reduce(nbytes: float, n: int, link: Link) -> float:
+    return 0.0 if n <= 1 else link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
-def all_gather(nbytes: float, n: int, hw: Hardware) -> float:
+def all_gather(nbytes: float, n: int, link: Link) -> float:
     """nbytes: the gathered size on each device."""
-    return 0.0 if n <= 1 else hw.link_latency + (n - 1) / n * nbytes / hw.link_bandwidth
+    return 0.0 if n <= 1 else link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-def reduce_scatter(nbytes: float, n: int, hw: Hardware) -> float:
+def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
     """nbytes: the partial buffer each device holds before the reduction."""
-    return all_gather(nbytes, n, hw)
+    return all_gather(nbytes, n, link)
 
 
-def all_to_all(nbytes: float, n: int, hw: Hardware) -> float:
-    return 0.0 if n <= 1 else hw.link_latency + (n - 1) / (2 * n) * nbytes / hw.link_bandwidth
+def all_to_all(nbytes: float, n: int, link: Link) -> float:
+    return 0.0 if n <= 1 else link.latency + (n - 1) / (2 * n) * nbytes / link.bandwidth
+
+
+# The byte fraction each kind moves per byte of its result on one device, over n devices.
+MOVED = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+         "reduce-scatter": lambda n: (n - 1), "all-to-all": lambda n: (n - 1) / (2 * n),
+         "collective-permute": lambda n: 1.0}
+
+
+def collective_time(kind: str, result_bytes: float, n: int, link: Link) -> float:
+    """Seconds of one collective of `kind` over `n` devices on `link`, from the bytes of its
+    result on one device (the unit a compiled program's collectives are read in): the
+    functions above, with a reduce-scatter's input n times its result."""
+    if n <= 1:
+        return 0.0
+    return link.latency + MOVED[kind](n) * result_bytes / link.bandwidth
 
 
 def shard_bytes(tensor: Tensor, spec: Spec, mesh: MeshShape) -> float:
@@ -83,8 +100,9 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
     for t, s in zip(op.outputs, strategy.out_specs):
         scatter, reduce = partial_split(strategy, s)
         held = shard_bytes(tensors[t], s, mesh)
-        comm += (reduce_scatter(held * group_size(mesh, scatter), group_size(mesh, scatter), hw)
-                 + all_reduce(held, group_size(mesh, reduce), hw))
+        comm += (reduce_scatter(held * group_size(mesh, scatter), group_size(mesh, scatter),
+                                group_link(hw, mesh, tuple(scatter)))
+                 + all_reduce(held, group_size(mesh, reduce), group_link(hw, mesh, tuple(reduce))))
     return compute * op.repeat, comm * op.repeat
 
 
@@ -106,10 +124,10 @@ def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[tuple[in
 
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
-                     ) -> tuple[tuple[str, int, float, int], ...]:
+                     ) -> tuple[tuple[str, int, float, int, tuple[str, ...]], ...]:
     """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
     devices in its group, its result's share of the tensor on one device, the dimension an
-    all-gather concatenates or -1).
+    all-gather concatenates or -1, the mesh axes of its group).
 
     Axes that move (within or across dimensions) are one all-to-all; axes dropped are gathered
     (see `gathers`); axes added are free (each device keeps its slice). The all-to-all comes
@@ -138,29 +156,30 @@ def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
             or any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in across for q in across)):
         moved, dropped = [], list(where_src)  # the whole tensor, gathered
     gather_first = not added and bool(across) and bool(moved)
-    steps: list[tuple[str, int, float, int]] = []
+    steps: list[tuple[str, int, float, int, tuple[str, ...]]] = []
     if moved and not gather_first:
-        steps.append(("all-to-all", group_size(mesh, moved), share, -1))
+        steps.append(("all-to-all", group_size(mesh, moved), share, -1, tuple(moved)))
     for d, n in gathers(src, dropped, mesh):
         share *= n
-        steps.append(("all-gather", n, share, d))
+        steps.append(("all-gather", n, share, d, tuple(a for a in src[d] if a in dropped)))
     if moved and gather_first:
-        steps.append(("all-to-all", group_size(mesh, moved), share, -1))
+        steps.append(("all-to-all", group_size(mesh, moved), share, -1, tuple(moved)))
     return tuple(steps)
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape) -> tuple[int, float]:
-    """(collectives, bytes moved per byte of the tensor) to turn `src` sharding into `dst`
-    (see reshard_sequence). The time is linear in the tensor's size: collectives * latency +
-    fraction * bytes / bandwidth, so these terms serve every tensor.
+def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[float, float]:
+    """(latency seconds, seconds per byte of the tensor) to turn `src` sharding into `dst`
+    (see reshard_sequence), each step on its axes' link. The time is linear in the tensor's
+    size, latency + per_byte * bytes, so these terms serve every tensor.
     """
-    fraction = 0.0
-    steps = reshard_sequence(src, dst, mesh)
-    for kind, n, share, _ in steps:
+    latency = per_byte = 0.0
+    for kind, n, share, _, axes in reshard_sequence(src, dst, mesh):
+        link = group_link(hw, mesh, axes)
+        latency += link.latency
         # Gathering step by step moves the bytes one all-gather over all the axes would.
-        fraction += (n - 1) / (2 * n if kind == "all-to-all" else n) * share
-    return len(steps), fraction
+        per_byte += (n - 1) / (2 * n if kind == "all-to-all" else n) * share / link.bandwidth
+    return latency, per_byte
 
 
 def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
@@ -168,7 +187,7 @@ def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
     """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
     steps of reshard_sequence, in the units a compiled program's collectives are read in."""
     out: dict[str, float] = {}
-    for kind, _, share, _ in reshard_sequence(src, dst, mesh):
+    for kind, _, share, _, _ in reshard_sequence(src, dst, mesh):
         out[kind] = out.get(kind, 0.0) + tensor.nbytes * share
     return out
 
@@ -187,5 +206,5 @@ def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: 
 
 def reshard_time(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> float:
     """Seconds to turn `tensor` sharded as `src` into `dst` (see reshard_terms)."""
-    count, fraction = reshard_terms(src, dst, mesh)
-    return count * hw.link_latency + fraction * tensor.nbytes / hw.link_bandwidth
+    latency, per_byte = reshard_terms(src, dst, mesh, hw)
+    return latency + per_byte * tensor.nbytes

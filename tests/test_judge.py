@@ -1,0 +1,137 @@
+"""The judge (autopar.evaluate) on small hand-checked programs, and per-axis links."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import models
+import pytest
+from jax import shard_map
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import autopar
+from autopar.cost.hardware import Hardware, LinkLevel, axis_links, group_link
+from autopar.hlo import collectives, device_groups
+from autopar.mesh import MeshShape
+
+# Two levels: the 4 devices of a "node" on fast links, the network between nodes 100x slower.
+HW = Hardware("two-level", flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10,
+              link_latency=1e-6, memory_bytes=2**30,
+              levels=(LinkLevel("node", 4, 1e10, 1e-6), LinkLevel("network", 0, 1e8, 1e-5)))
+MESH = {"data": 2, "model": 4}
+
+
+def _compile(fn, *shapes_specs, mesh):
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, spec))
+            for s, spec in shapes_specs]
+    return jax.jit(fn).lower(*args).compile()
+
+
+def test_links_sit_innermost_axes_on_the_fastest_level():
+    h100 = autopar.PROFILES["h100"]
+    nvlink, network = (lv for lv in h100.levels)
+    assert [k.bandwidth for k in axis_links(h100, MeshShape(("data", "model"), (4, 2)))] == \
+        [nvlink.bandwidth] * 2
+    assert [k.bandwidth for k in axis_links(h100, MeshShape(("node", "gpu"), (16, 8)))] == \
+        [network.bandwidth, nvlink.bandwidth]
+    # an axis spanning more devices than a node holds crosses nodes
+    assert axis_links(h100, MeshShape(("gpu",), (16,)))[0].bandwidth == network.bandwidth
+    placed = dataclasses.replace(h100, axis_levels=(("data", "network"),))
+    assert axis_links(placed, MeshShape(("data", "model"), (4, 2)))[0].bandwidth == \
+        network.bandwidth
+    # a group spanning both runs at the slower link
+    shape = MeshShape(("node", "gpu"), (16, 8))
+    assert group_link(h100, shape, ("node", "gpu")).bandwidth == network.bandwidth
+    with pytest.raises(autopar.AutoparError, match="level"):
+        axis_links(dataclasses.replace(h100, axis_levels=(("data", "ib"),)),
+                   MeshShape(("data",), (2,)))
+
+
+def test_device_groups_read_xlas_three_spellings():
+    assert device_groups("replica_groups={{0,1},{2,3}}, x") == ((0, 1), (2, 3))
+    assert device_groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == ((0, 4), (1, 5), (2, 6),
+                                                                     (3, 7))
+    assert device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, x") == \
+        ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert device_groups("to_apply=%add") is None
+
+
+def test_all_reduce_over_one_axis_of_a_2d_mesh():
+    mesh = autopar.make_mesh(MESH)
+    f = shard_map(lambda x: jax.lax.psum(x, "model"), mesh=mesh, in_specs=P("data", "model"),
+                  out_specs=P("data"))
+    judged = autopar.evaluate(_compile(f, ((16, 64), P("data", "model")), mesh=mesh), mesh, HW)
+    (ar,) = [c for c in judged.collectives if c.kind == "all-reduce"]
+    assert (ar.axes, ar.devices, ar.result_bytes) == (("model",), 4, 8 * 16 * 4)
+    # 'model' (4 devices, innermost) fits a node: the fast link
+    assert ar.seconds == pytest.approx(1e-6 + 2 * 3 / 4 * 512 / 1e10)
+    assert judged.communication_s == pytest.approx(sum(c.seconds for c in judged.collectives))
+    assert judged.step_s == pytest.approx(judged.compute_s + judged.communication_s)
+
+    g = shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data", "model"),
+                  out_specs=P(None, "model"))
+    (ar,) = autopar.evaluate(_compile(g, ((16, 64), P("data", "model")), mesh=mesh), mesh,
+                             HW).collectives
+    # 'data' spans all 8 devices with 'model' inside it: across nodes, the network
+    assert ar.axes == ("data",) and ar.seconds == pytest.approx(1e-5 + 2 * 1 / 2 * 512 / 1e8)
+
+
+def test_reduce_scatter_and_all_to_all():
+    mesh = autopar.make_mesh(MESH)
+    rs = shard_map(lambda x: jax.lax.psum_scatter(x, "model", scatter_dimension=0, tiled=True),
+                   mesh=mesh, in_specs=P("data"), out_specs=P(("data", "model")))
+    judged = autopar.evaluate(_compile(rs, ((64, 32), P("data")), mesh=mesh), mesh, HW)
+    (c,) = [c for c in judged.collectives if c.kind == "reduce-scatter"]
+    result = 64 // 8 * 32 * 4  # each device keeps an eighth
+    assert (c.axes, c.result_bytes) == (("model",), result)
+    assert c.seconds == pytest.approx(1e-6 + 3 * result / 1e10)  # input 4x the result
+
+    a2a = lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "model")))
+    judged = autopar.evaluate(_compile(a2a, ((64, 64), P("model")), mesh=mesh), mesh, HW)
+    (c,) = judged.collectives
+    assert c.kind == "all-to-all" and c.axes == ("model",)
+    assert c.result_bytes == 64 * 64 * 4 // 4
+    assert c.seconds == pytest.approx(1e-6 + 3 / 8 * c.result_bytes / 1e10)
+
+
+def test_roofline_and_memory_come_from_the_compiled_program():
+    mesh = autopar.make_mesh(MESH)
+    mm = lambda a, b: a @ b
+    compiled = _compile(mm, ((256, 128), P("data")), ((128, 512), P(None, "model")), mesh=mesh)
+    judged = autopar.evaluate(compiled, mesh, HW)
+    assert judged.flops == pytest.approx(2 * 128 * 128 * 128)  # (128, 128) x (128, 128) here
+    assert judged.compute_s == pytest.approx(max(judged.flops / 1e12,
+                                                 judged.bytes_accessed / 1e11))
+    assert judged.memory_bytes > 128 * 128 * 4 and not judged.collectives
+
+
+def test_loop_bodies_count_per_iteration():
+    mesh = autopar.make_mesh(MESH)
+
+    def f(x, w):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=3)[0].sum()
+    compiled = _compile(jax.grad(f, argnums=1), ((16, 64), P("data", "model")),
+                        ((64, 64), P("model")), mesh=mesh)
+    assert {c.executions for c in collectives(compiled.as_text())} == {3}
+
+
+def test_per_axis_links_change_the_plan_and_the_judge_agrees():
+    """A GPT on 2 nodes of 4 devices. With one link for all, the plan moves bytes over both
+    axes. When 'data' crosses a network 100x slower, a byte there costs more than the whole
+    step's compute saved by splitting over it (hand calculation: the flat plan's data-axis
+    traffic, judged at network speed, is over 20x its compute), so the link-aware plan moves
+    nothing over 'data', and the judge, reading both compiled programs under the two-level
+    profile, finds it faster."""
+    step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=128, heads=4,
+                                          layers=2)
+    mesh = autopar.make_mesh(MESH)
+    flat = dataclasses.replace(HW, levels=())
+    plans, judged = {}, {}
+    for name, hw in (("flat", flat), ("levels", HW)):
+        sharded = autopar.auto_parallel(step, mesh=mesh, hardware=hw)
+        plans[name] = sharded.plan(state, batch)
+        judged[name] = autopar.evaluate(sharded.lower(state, batch).compile(), mesh, HW)
+    on_data = {name: sum(c.seconds for c in j.collectives if "data" in c.axes)
+               for name, j in judged.items()}
+    assert on_data["flat"] > 20 * judged["flat"].compute_s  # the hand calculation's premise
+    assert on_data["levels"] == 0.0
+    assert judged["levels"].step_s < judged["flat"].step_s
