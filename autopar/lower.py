@@ -176,6 +176,8 @@ def _bind_explicit(mesh: Mesh, primitive: Any, params: dict, values: list, st: A
                    reduce: tuple, scatter: tuple, dim: int) -> Any:
     """`primitive` on each device's shards, its partial sums all-reduced over `reduce` (one
     collective) and reduce-scattered over `scatter` along `dim`."""
+    params = _local_params(mesh, primitive.name, params, st)
+
     def local(*xs: Any) -> Any:
         y = primitive.bind(*xs, **params)
         if reduce:
@@ -188,6 +190,21 @@ def _bind_explicit(mesh: Mesh, primitive: Any, params: dict, values: list, st: A
                          in_specs=tuple(to_partition_spec(s) for s in st.in_specs),
                          out_specs=to_partition_spec(st.out_specs[0]),
                          check_vma=False)(*values)
+
+
+def _local_params(mesh: Mesh, name: str, params: dict, st: Any) -> dict:
+    """`params` for one device's shards: a grouped convolution whose group factor is split
+    holds fewer groups on each device (its rule splits the grouped lhs dim in whole groups)."""
+    if name != "conv_general_dilated":
+        return params
+    dn = params["dimension_numbers"]
+    lhs = st.in_specs[0]
+    local = dict(params)
+    for key, dim in (("feature_group_count", dn.lhs_spec[1]),
+                     ("batch_group_count", dn.lhs_spec[0])):
+        if params.get(key, 1) > 1:
+            local[key] = params[key] // math.prod(mesh.shape[a] for a in lhs[dim])
+    return local
 
 
 def _after(value: Any, anchor: Any) -> Any:

@@ -30,7 +30,8 @@ from autopar.memory import roles
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).
 DECIDERS = {"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
-            "scatter_add", "while", "cond"}
+            "scatter_add", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub",
+            "while", "cond"}
 
 
 class AutoparWarning(UserWarning):

@@ -170,19 +170,35 @@ def dot_general(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 def conv(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Batch and output features split freely; input features are a reduction factor.
 
-    Spatial dimensions stay whole (splitting them needs halo exchange).
+    A grouped convolution (feature_group_count G > 1: depthwise when G is the channel count)
+    has a group factor of size G on the lhs feature dim, the rhs output-feature dim and the
+    result feature dim: groups are contiguous blocks of channels, so splitting all three into
+    k blocks (k dividing G) gives each device whole groups and needs no communication. A
+    batch-grouped convolution (batch_group_count G > 1, the kernel gradient of a grouped one)
+    groups the lhs batch dim instead, with the same rhs and result dims; its lhs feature dim
+    stays a reduction factor. Within a group, features stay whole (their blocks are not
+    contiguous across groups). Spatial dimensions stay whole (splitting them needs halo
+    exchange).
     """
     dn = params["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    features = params.get("feature_group_count", 1)
+    batches = params.get("batch_group_count", 1)
     fs = _Factors()
     lhs: list[str | None] = [None] * len(ins[0])
     rhs: list[str | None] = [None] * len(ins[1])
     out: list[str | None] = [None] * len(outs[0])
-    b = fs.new(ins[0][lhs_spec[0]]) if params.get("batch_group_count", 1) == 1 else None
-    lhs[lhs_spec[0]], out[out_spec[0]] = b, b
-    o = fs.new(ins[1][rhs_spec[0]]) if params.get("feature_group_count", 1) == 1 else None
-    rhs[rhs_spec[0]], out[out_spec[1]] = o, o
-    if params.get("feature_group_count", 1) == 1 and params.get("batch_group_count", 1) == 1:
+    if batches == 1:
+        b = fs.new(ins[0][lhs_spec[0]])
+        lhs[lhs_spec[0]], out[out_spec[0]] = b, b
+    if features == 1 and batches == 1:
+        o = fs.new(ins[1][rhs_spec[0]])
+        rhs[rhs_spec[0]], out[out_spec[1]] = o, o
+    else:
+        g = fs.new(max(features, batches))
+        grouped = lhs_spec[1] if features > 1 else lhs_spec[0]
+        lhs[grouped], rhs[rhs_spec[0]], out[out_spec[1]] = g, g, g
+    if features == 1:
         c = fs.new(ins[0][lhs_spec[1]])
         lhs[lhs_spec[1]], rhs[rhs_spec[1]] = c, c
     return fs.rule([tuple(lhs), tuple(rhs)], [tuple(out)])
@@ -226,8 +242,24 @@ def dynamic_update_slice(ins: list[Shape], outs: list[Shape], params: dict) -> R
     return fs.rule([dims, dims] + [() for _ in ins[2:]], [dims])
 
 
+def _index_batch_dims(indices: Shape) -> list[int]:
+    """The batch dimensions of gather/scatter indices: all but the index vector (jax puts it
+    last)."""
+    return list(range(len(indices) - 1))
+
+
 def gather(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Embedding lookup: index batch dims and whole operand slices split; indexed dims stay whole."""
+    """Embedding lookup, take_along_axis and friends, in three kinds of factor:
+
+    - whole operand slices (offset dims not indexed) split with the result;
+    - index batch dims split with the result's batch dims; a batching dim (take_along_axis:
+      `operand_batching_dims`) shares that factor with the operand, so each device gathers from
+      its own rows of the operand;
+    - an indexed operand dim sliced one row at a time (a vocabulary) is a reduction factor:
+      each device looks up the rows it holds, the others give zeros, and the partial results
+      are all-reduced (Megatron's VocabParallelEmbedding). XLA's partitioner compiles a gather
+      whose operand is sharded on such a dim into exactly that (masking and an all-reduce).
+    """
     dn = params["dimension_numbers"]
     fs = _Factors()
     operand: list[str | None] = [None] * len(ins[0])
@@ -240,18 +272,33 @@ def gather(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
             f = fs.new(ins[0][k])
             operand[k], result[out_dim] = f, f
     batch_out = [d for d in range(len(outs[0])) if d not in dn.offset_dims]
-    index_batch = [d for d in range(len(ins[1])) if d != len(ins[1]) - 1]
-    if len(index_batch) == len(batch_out) and not dn.operand_batching_dims:
+    index_batch = _index_batch_dims(ins[1])
+    batching = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
+    if len(index_batch) == len(batch_out):
         for d_out, d_idx in zip(batch_out, index_batch):
             if ins[1][d_idx] == outs[0][d_out]:
                 f = fs.new(outs[0][d_out])
                 indices[d_idx], result[d_out] = f, f
+                if d_idx in batching:
+                    operand[batching[d_idx]] = f
+    for k in dn.start_index_map:
+        if params["slice_sizes"][k] == 1 and k not in dn.operand_batching_dims:
+            operand[k] = fs.new(ins[0][k])  # in no result: a reduction factor
     return fs.rule([tuple(operand), tuple(indices)], [tuple(result)])
 
 
 def scatter(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Window dims split with the operand; for scatter-add, the scattered (batch) dims of the
-    updates are a reduction factor: every device adds its share, then an all-reduce sums them."""
+    """The transpose of gather, in the same kinds of factor:
+
+    - window dims split with the operand (and the result, which has the operand's factors);
+    - a batching dim (`operand_batching_dims`, the gradient of take_along_axis) is one factor
+      of operand, indices and updates: each device scatters into its own rows;
+    - an indexed operand dim written one row at a time (the vocabulary of an embedding's
+      gradient) splits with the result: each device keeps the updates that land in its rows
+      (XLA's partitioner offsets the indices, and out-of-range updates are dropped);
+    - for scatter-add, the other scattered (batch) dims of the updates are a reduction factor:
+      every device adds its share, then an all-reduce sums them.
+    """
     dn = params["dimension_numbers"]
     fs = _Factors()
     operand: list[str | None] = [None] * len(ins[0])
@@ -259,18 +306,27 @@ def scatter(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     updates: list[str | None] = [None] * len(ins[2])
     window_operand = [k for k in range(len(ins[0]))
                       if k not in dn.inserted_window_dims and k not in dn.operand_batching_dims]
+    window = dict(zip(window_operand, (ins[2][u] for u in dn.update_window_dims)))
     for u_dim, k in zip(dn.update_window_dims, window_operand):
         if ins[2][u_dim] == ins[0][k] and k not in dn.scatter_dims_to_operand_dims:
             f = fs.new(ins[0][k])
             operand[k], updates[u_dim] = f, f
-    if params.get("_additive") and not dn.operand_batching_dims:
-        scatter_dims = [d for d in range(len(ins[2])) if d not in dn.update_window_dims]
-        index_batch = [d for d in range(len(ins[1])) if d != len(ins[1]) - 1]
-        if len(scatter_dims) == len(index_batch):
-            for d_u, d_i in zip(scatter_dims, index_batch):
-                if ins[2][d_u] == ins[1][d_i]:
-                    f = fs.new(ins[2][d_u])
-                    updates[d_u], indices[d_i] = f, f
+    scatter_dims = [d for d in range(len(ins[2])) if d not in dn.update_window_dims]
+    index_batch = _index_batch_dims(ins[1])
+    batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
+    if len(scatter_dims) == len(index_batch):
+        for d_u, d_i in zip(scatter_dims, index_batch):
+            if ins[2][d_u] != ins[1][d_i]:
+                continue
+            if d_i in batching:
+                f = fs.new(ins[2][d_u])
+                updates[d_u], indices[d_i], operand[batching[d_i]] = f, f, f
+            elif params.get("_additive"):
+                f = fs.new(ins[2][d_u])
+                updates[d_u], indices[d_i] = f, f
+    for k in dn.scatter_dims_to_operand_dims:
+        if window.get(k, 1) == 1 and k not in dn.operand_batching_dims:
+            operand[k] = fs.new(ins[0][k])
     return fs.rule([tuple(operand), tuple(indices), tuple(updates)], [tuple(operand)])
 
 
@@ -349,6 +405,9 @@ RULES: dict[str, RuleFn] = {
     "conv_general_dilated": conv, "concatenate": concatenate, "slice": slice_rule, "pad": pad,
     "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
     "gather": gather, "scatter-add": scatter_add, "scatter_add": scatter_add, "scatter": scatter,
+    # Other combiners: the same factors except the reduction one (partial results of a
+    # product, min, max or difference are not summed).
+    "scatter-mul": scatter, "scatter-min": scatter, "scatter-max": scatter, "scatter-sub": scatter,
     "iota": iota, "rev": rev, "reduce_window_sum": window, "reduce_window_max": window,
     "reduce_window_min": window, "reduce_window": window, "select_and_scatter_add": window,
     "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop, "cond": cond,
