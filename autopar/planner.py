@@ -13,14 +13,16 @@ import search
 from autopar.annotate import Annotations, resolve as resolve_annotations
 from autopar.budget import plan_within
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
+from autopar.cost.model import (fused_values, op_collectives, op_signature, op_time, reshard_collectives,
                                 reshard_time, shard_bytes)
 from autopar.memory import memory_json, plan_memory, recomputed_layers, recomputed_ops
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
+from autopar.layers import TIED_SPACE
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
-from autopar.problem import Problem, Unit, build_problem, kept_problem, make_units
+from autopar.problem import (Problem, Unit, build_problem, kept_problem, main_operand,
+                             make_units)
 from autopar.recursive import rounds_within, solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
@@ -35,6 +37,10 @@ BOUNDED_TABLE_LIMIT = 3e5
 # best plan and bound: the 4-layer GPT of the memory benchmark finds its optimum within 40 and
 # needs 113 to 153 (20 to 28 s) to prove it (docs/decisions.md).
 PROOF_PARTS = 40
+# Nodes of the untied problem up to which dynamic_programming searches it rather than the tied
+# one, so that `exact` holds for the step as written; above it, the search keeps the period-2
+# ties of repeated layers (docs/decisions.md, "Repeated layers tie two apart").
+UNTIED_NODE_LIMIT = 400
 
 
 @dataclass
@@ -105,7 +111,19 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
         space = "propagation from the annotations"
     else:
         problem = full()
-        if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
+        fits = search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT
+        tied = tied_units(problem, graph)
+        if fits and tied and len(problem.roots) + tied <= UNTIED_NODE_LIMIT:
+            # Small enough to search without the ties, where its exact tables fit: the answer
+            # is then the optimum over every plan, not only those that repeat layers. Not
+            # tried where the tied problem's tables do not fit: untying adds nodes, and on the
+            # meshes measured the untied problem was then too wide as well.
+            untied = kept_problem(problems, "untied", lambda: build_problem(
+                graph, mesh, hw, pinned, tie_layers=False, units=units)
+                ).priced(graph, mesh, memory_weight)
+            if search.largest_table(untied.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
+                problem = untied
+        if fits:
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
         else:
@@ -122,8 +140,34 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
     stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
-                 objective_s=float(solution.cost), ops=len(graph.ops))
+                 objective_s=float(solution.cost), ops=len(graph.ops),
+                 tied_units=tied_units(problem, graph))
     return Decisions(inputs, ops), stats
+
+
+def tied_units(problem: Problem, graph: OpGraph) -> int:
+    """Deciding units of `problem` that took an earlier instance's strategies (repeated
+    layers): each would be a node of its own without the ties. A unit that follows its
+    operand's producer (as problem._group decides) shares a node whether tied or not."""
+    count = 0
+    for u, unit in enumerate(problem.units):
+        if unit.tie is None or problem.node_of[u] != problem.node_of[unit.tie]:
+            continue
+        main = main_operand(unit, graph)
+        source = problem.producer.get(unit.inputs[main]) if main is not None else None
+        count += source is None or source[0] >= u
+    return count
+
+
+def exactness(stats: dict) -> dict:
+    """`stats` with `exact` for the step as written, and `exact_for`: the plans among which
+    the answer is proven optimal ("all plans"; with repeated layers tied, only the plans that
+    repeat them; None where it is not proven). The search sets `exact` for the plans it
+    covered, and a memory budget may withdraw it (budget.py); this is read once at the end."""
+    tied = stats.get("tied_units", 0)
+    proven = bool(stats.get("exact"))
+    return {**stats, "exact": proven and not tied,
+            "exact_for": (TIED_SPACE if tied else "all plans") if proven else None}
 
 
 def _best_within_bound(full: Problem, mesh: MeshShape) -> tuple[search.Solution, str]:
@@ -208,10 +252,11 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     recompute_s = 0.0
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
+    fused = fused_values(graph)
     for op, st in zip(graph.ops, decisions.ops):
-        key = (op_signature(op, tensors), st)
+        key = (op_signature(op, tensors, fused), st)
         if key not in known:
-            known[key] = (op_time(op, st, tensors, mesh, hw),
+            known[key] = (op_time(op, st, tensors, mesh, hw, fused),
                           op_collectives(op, st, tensors, mesh))
         (c, m), collectives = known[key]
         if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
@@ -312,7 +357,8 @@ def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hard
             best = (decisions, plan)
     if best is None:
         raise fit_error or first_error
-    return graph, best[0], best[1]
+    return graph, best[0], dataclasses.replace(best[1], search_stats=exactness(
+        best[1].search_stats))
 
 
 AUTO_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "inner")}
@@ -353,5 +399,6 @@ def data_parallel_plan(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: H
     graph, in_tree, out_shape = trace(fn, args)
     decisions, stats = solve(graph, mesh, hw, "dynamic_programming",
                              data_parallel_pins(graph, mesh, batch_prefix))
+    stats = exactness(stats)
     return assemble(graph, decisions, mesh, hw, "data_parallel", stats, in_tree,
                     jax.tree_util.tree_structure(out_shape))

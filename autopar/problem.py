@@ -9,6 +9,7 @@ ties). Resharding between nodes becomes an edge's cost matrix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import numpy as np
 
 import search
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_signature, op_time, reshard_terms, shard_bytes
+from autopar.cost.model import fused_values, op_signature, op_time, reshard_terms, shard_bytes
 from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
@@ -32,6 +33,11 @@ from autopar.memory import roles
 DECIDERS = {"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
             "scatter_add", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub",
             "while", "cond"}
+
+
+# An operator whose result holds this many times its main operand's elements decides its own
+# split (see main_operand).
+GROWTH = 2
 
 
 class AutoparWarning(UserWarning):
@@ -48,7 +54,7 @@ class Unit:
     outputs: tuple[int, ...]
     op: Op | None  # None for an input of the step
     cost_key: tuple = ()  # cost.model.op_signature of the op
-    tie: int | None = None  # the first unit of its kind, for an instance of a repeated layer
+    tie: int | None = None  # the unit whose strategies it takes (layers.repeated_ties)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
         if not tensor.const:
             units.append(Unit(tensor.path or f"input {t}", _input_rule(tensor), (), (t,), None))
     missing: dict[str, list[str]] = defaultdict(list)
+    fused = fused_values(graph)
     for op in graph.ops:
         ins = [graph.tensors[t].shape for t in op.inputs]
         outs = [graph.tensors[t].shape for t in op.outputs]
@@ -131,7 +138,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
             rule = replicated_rule(ins, outs)
         rule = canonical(rule)
         units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
-                          op_signature(op, graph.tensors)))
+                          op_signature(op, graph.tensors, fused)))
     for primitive, sources in missing.items():
         where = "; ".join(sorted(set(sources))[:3]) + (" ..." if len(set(sources)) > 3 else "")
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
@@ -149,13 +156,21 @@ def _input_rule(tensor: Tensor) -> Rule:
 
 def main_operand(unit: Unit, graph: OpGraph) -> int | None:
     """The operand a follower takes its sharding from: the first non-constant one of the
-    result's shape, else the first non-constant one."""
+    result's shape, else the first non-constant one. None for a unit that decides: a
+    decider, and an operator whose result is at least GROWTH times its main operand (a
+    broadcast, a one-hot): following, it could not split the dimensions it creates, and
+    everything after it would follow it replicated (a MoE's (tokens, experts, capacity)
+    routing tensors stayed whole on every device, where XLA's propagation splits them over the
+    experts of the product that reads them)."""
     live = [i for i, t in enumerate(unit.inputs) if not graph.tensors[t].const]
     if not live or unit.op is None or unit.op.primitive in DECIDERS or not unit.rule.sizes:
         return None
-    shape = graph.tensors[unit.outputs[0]].shape
-    same = [i for i in live if graph.tensors[unit.inputs[i]].shape == shape]
-    return (same or live)[0]
+    result = graph.tensors[unit.outputs[0]]
+    same = [i for i in live if graph.tensors[unit.inputs[i]].shape == result.shape]
+    main = (same or live)[0]
+    if math.prod(result.shape) >= GROWTH * math.prod(graph.tensors[unit.inputs[main]].shape):
+        return None
+    return main
 
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
@@ -167,7 +182,8 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     unit producing one becomes a node of its own with that one strategy.
     `extend` keeps only the strategies that agree with earlier decisions on the axes they were
     made for: a round of the device recursion adds one axis to the rounds before.
-    `tie_layers` gives every instance of a repeated layer the strategies of the first one.
+    `tie_layers` gives instances of a repeated layer two apart the same strategies
+    (layers.repeated_ties); without it every unit decides on its own.
     `units` (from make_units) saves computing the rules again when one graph is planned twice.
     The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
@@ -184,7 +200,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     op_costs: dict[tuple, Any] = {}
     for u, unit in enumerate(units):
         if unit.op is not None:
-            node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph.tensors, mesh, hw,
+            node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph, mesh, hw,
                                                   op_costs)
 
     edges: list[tuple[int, int, np.ndarray]] = []
@@ -326,7 +342,7 @@ class _Resharding:
         return latency + per_byte * tensor.nbytes
 
 
-def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, ...],
+def _unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
                 mesh: MeshShape, hw: Hardware, memo: dict[tuple, Any]) -> np.ndarray:
     """Compute plus communication seconds of the unit's op under each strategy.
 
@@ -339,7 +355,7 @@ def _unit_costs(unit: Unit, strategies: list[Strategy], tensors: tuple[Tensor, .
         known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
         for s in strategies:  # strategies are shared objects, alive for the whole build
             if id(s) not in known:
-                compute, comm = op_time(op, s, tensors, mesh, hw)
+                compute, comm = op_time(op, s, graph.tensors, mesh, hw, fused_values(graph))
                 known[id(s)] = compute + comm
         # The entry keeps the list alive, so that its id stays unique.
         memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))

@@ -17,14 +17,8 @@ from autopar.cost.model import group_size, partial_split, reshard_sequence, shar
 from autopar.ir import OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.rules.table import ELEMENTWISE
+from autopar.rules.table import FUSED, FUSING_READERS
 
-# Operators XLA fuses into their reader.
-FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p"}
-# Readers that take fused producers in: loop fusions and reductions' input fusions.
-FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                          "argmin", "reduce_and", "reduce_or"}
 # Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
 # backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
 # (which live instead); an expensive one (exp, tanh, div, ...) read by the backward pass is kept.

@@ -312,10 +312,12 @@ def test_recompute_when_sharding_is_not_enough():
     mesh = autopar.make_mesh({"data": 8})
     shape = autopar.mesh.mesh_shape(mesh)
     graph = trace(step, (state, batch))[0]
-    # the leanest plan sharding alone gives: memory priced far above time
+    # the plan with memory priced far above time; the budget search's own bisection finds
+    # sharding-only plans down to about 0.7 of its peak (vocabulary-split lookups and loss),
+    # so 0.6 of it is below what sharding alone reaches
     decisions, stats = solve(graph, shape, SLOW_LINKS, "dynamic_programming", None, 1.0)
     leanest = assemble(graph, decisions, shape, SLOW_LINKS, "dp", stats)
-    limit = int(0.7 * leanest.cost["peak_memory_bytes"])
+    limit = int(0.6 * leanest.cost["peak_memory_bytes"])
     plan = check_against_single_device(step, state, batch, mesh, steps=2, hardware=SLOW_LINKS,
                                        memory_limit=limit)
     assert plan.recompute and plan.cost["recompute_s"] > 0

@@ -107,3 +107,25 @@ def test_reshard_costs():
     assert reshard_time(t, row, rep, MESH, HW) == pytest.approx(all_gather(t.nbytes, 2, link))
     assert reshard_time(t, row, col, MESH, HW) == pytest.approx(all_to_all(t.nbytes / 2, 2, link))
 
+
+
+def test_fused_values_are_the_elementwise_chains_xla_never_writes():
+    """A softmax feeding a product: its exp, sum and division stay inside fusions; the
+    product's operands, the reduction's result read by a non-fusing reader and the step's
+    result are written."""
+    import jax
+    import jax.numpy as jnp
+    from autopar.cost.model import fused_values
+    from autopar.trace import trace
+
+    def f(x, w):
+        e = jnp.exp(x - 1.0)
+        p = e / jnp.sum(e, axis=-1, keepdims=True)
+        return p @ w
+    graph = trace(f, (jnp.ones((8, 16)), jnp.ones((16, 4))))[0]
+    fused = fused_values(graph)
+    by_op = {op.primitive: op for op in graph.ops}
+    assert by_op["exp"].outputs[0] in fused and by_op["sub"].outputs[0] in fused
+    assert by_op["div"].outputs[0] not in fused  # a dot reads it
+    assert by_op["dot_general"].outputs[0] not in fused  # the result
+    assert not set(graph.inputs) & fused

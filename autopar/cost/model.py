@@ -13,9 +13,10 @@ import math
 from typing import Sequence
 
 from autopar.cost.hardware import Hardware, Link, group_link
-from autopar.ir import Op, Tensor
+from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
+from autopar.rules.table import FUSED, FUSING_READERS
 
 
 def group_size(mesh: MeshShape, axes: Sequence[str]) -> int:
@@ -82,19 +83,42 @@ def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:
     return float(max([out_elems] + [math.prod(t.shape) for t in ins]))
 
 
-def op_signature(op: Op, tensors: Sequence[Tensor]) -> tuple:
+@functools.lru_cache(maxsize=4)  # per graph, asked by every search of it
+def fused_values(graph: OpGraph) -> frozenset[int]:
+    """Values XLA never writes to memory: made by an operator it fuses into its readers, and
+    read only by operators that take fused producers in (loop fusions, reductions), and not
+    a result of the step. An elementwise chain reads its inputs and writes its result once,
+    not once per operator; charged per operator, a softmax over a vocabulary cost twice what
+    XLA's program reads."""
+    readers: dict[int, list[str]] = {}
+    for op in graph.ops:
+        for t in set(op.inputs):
+            readers.setdefault(t, []).append(op.primitive)
+    outputs = set(graph.outputs)
+    return frozenset(t for op in graph.ops if op.primitive in FUSED for t in op.outputs
+                     if t not in outputs and readers.get(t)
+                     and all(r in FUSING_READERS for r in readers[t]))
+
+
+def op_signature(op: Op, tensors: Sequence[Tensor], fused: frozenset[int] = frozenset()
+                 ) -> tuple:
     """Equal for operators that cost the same under the same strategy (the same operator of
     every block): op_time and op_collectives read nothing else of the op."""
     return (op.primitive, op.repeat, str(op.params.get("dimension_numbers")),
-            tuple((tensors[t].shape, tensors[t].dtype) for t in (*op.inputs, *op.outputs)))
+            tuple((tensors[t].shape, tensors[t].dtype, t in fused)
+                  for t in (*op.inputs, *op.outputs)))
 
 
 def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape,
-            hw: Hardware) -> tuple[float, float]:
-    """(compute seconds, communication seconds) of the op under `strategy`, per step."""
+            hw: Hardware, fused: frozenset[int] = frozenset()) -> tuple[float, float]:
+    """(compute seconds, communication seconds) of the op under `strategy`, per step: a
+    roofline over its flops and the bytes it moves to and from memory (none for `fused`
+    values, see fused_values)."""
     flops = op_flops(op, tensors) / strategy.parallel
-    moved = sum(shard_bytes(tensors[t], s, mesh) for t, s in zip(op.inputs, strategy.in_specs))
-    moved += sum(shard_bytes(tensors[t], s, mesh) for t, s in zip(op.outputs, strategy.out_specs))
+    moved = sum(shard_bytes(tensors[t], s, mesh)
+                for t, s in zip(op.inputs, strategy.in_specs) if t not in fused)
+    moved += sum(shard_bytes(tensors[t], s, mesh)
+                 for t, s in zip(op.outputs, strategy.out_specs) if t not in fused)
     compute = max(flops / hw.flops, moved / hw.memory_bandwidth)
     comm = 0.0
     for t, s in zip(op.outputs, strategy.out_specs):

@@ -155,15 +155,17 @@ def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool
 def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> Strategy | None:
     """The variant of `s` that reduce-scatters its partial sums along the first result
     dimension they divide, instead of all-reducing them: half the bytes, and the result comes
-    out sharded (how data-parallel gradients reach a sharded optimizer state)."""
+    out sharded (how data-parallel gradients reach a sharded optimizer state). The scattered
+    axes come after those already on the dimension: a reduce-scatter splits each device's
+    block, and XLA, given the other order, gathers the whole result first (a 512 MiB
+    all-gather of the logits' gradient in the encoder-decoder at d_model 768)."""
     if not s.partial_axes or len(rule.results) != 1:
         return None
-    order = {a: i for i, a in enumerate(mesh.names)}
     n = math.prod(mesh.axis_size(a) for a in s.partial_axes)
     out = list(s.out_specs[0])
     for d, f in enumerate(rule.results[0]):
         if f and rule.sizes[f] % (n * math.prod(mesh.axis_size(a) for a in out[d])) == 0:
-            out[d] = tuple(sorted((*out[d], *s.partial_axes), key=order.get))
+            out[d] = (*out[d], *s.partial_axes)
             return Strategy(s.assignment, s.in_specs, (tuple(out),), s.partial_axes, s.parallel)
     return None
 

@@ -24,6 +24,12 @@ ELEMENTWISE = {
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
     "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out", "autopar_shard",
 }
+# Operators XLA fuses into their reader (on every platform: loop fusion of elementwise chains).
+FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p"}
+# Readers that take fused producers in: loop fusions and reductions' input fusions.
+FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                          "argmin", "reduce_and", "reduce_or"}
 REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
               "reduce_xor"}
 CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
