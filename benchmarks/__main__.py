@@ -1,10 +1,12 @@
 """`python -m benchmarks [--quick] [--suites ...] [--depths 12 24 ...]`: run, write the results.
 
-Suites: `quality` (our plans against hand-written ones on small models and 8 simulated devices,
-with what XLA compiled of each), `propagation` (annotations spread by sharding_propagation
-against the search) and `planning` (search time and quality at depth and scale, overhead
-against jax.jit) and `memory` (plans for shrinking memory budgets, predicted against compiled
-memory).
+Suites: `quality` (our plans against what experts write with `jax.jit` shardings, for realistic
+and small models, each program compiled for 8 simulated devices and judged on GPU and TPU
+profiles by `autopar.judge`), `fidelity` (the cost model's estimates against what XLA compiled,
+with pinned baselines, for small models run on the simulated devices), `propagation`
+(annotations spread by sharding_propagation against the search), `planning` (search time and
+quality at depth and scale, overhead against jax.jit) and `memory` (plans for shrinking memory
+budgets, predicted against compiled memory).
 Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
 Timings are of this machine; compare them as ratios within one run.
 """
@@ -15,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -22,9 +25,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import memory, planning, propagation, quality  # noqa: E402
+from benchmarks import (fidelity, memory, planning, propagation, quality,  # noqa: E402
+                        quality_report)
+from benchmarks.zoo import ZOO  # noqa: E402
 
-TITLES = {"quality": "Plan quality and cost-model fidelity",
+TITLES = {"quality": "Plan quality against expert shardings, judged from compiled programs",
+          "fidelity": "Cost-model fidelity against compiled programs",
           "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark",
           "memory": "Memory-aware planning benchmark"}
 
@@ -33,7 +39,21 @@ def machine() -> dict[str, str]:
     return {"python": platform.python_version(), "jax": jax.__version__,
             "platform": platform.platform(), "processor": platform.machine(),
             "cpus": str(os.cpu_count()), "devices": f"{len(jax.devices())} x "
-            f"{jax.devices()[0].device_kind}"}
+            f"{jax.devices()[0].device_kind}", "autopar": revision()}
+
+
+def revision() -> str:
+    """The commit autopar was run at, and whether autopar/ had changes on top: results of
+    different plans are only comparable knowing which code made them."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" with uncommitted changes to autopar/" if dirty else "")
 
 
 def log(line: str) -> None:
@@ -53,24 +73,46 @@ def main() -> None:
     parser.add_argument("--hardware", default="h100", help="profile the plans are costed on")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--suites", nargs="+", default=list(TITLES), choices=list(TITLES))
-    parser.add_argument("--models", nargs="+", default=list(quality.MODELS),
-                        choices=list(quality.MODELS), help="quality suite: models")
-    parser.add_argument("--meshes", nargs="+", default=list(quality.MESHES),
-                        help="quality suite: meshes like 2x4 (axes data, model, inner) over "
-                        "jax.devices(): real devices where there are any")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help=f"quality suite: models of {list(ZOO)} (default all); fidelity "
+                        f"suite: of {list(fidelity.MODELS)} (default all)")
+    parser.add_argument("--meshes", nargs="+", default=None,
+                        help="quality and fidelity suites: meshes like 2x4 (axes data, model, "
+                        f"inner) over jax.devices() (defaults {list(quality.MESHES)} and "
+                        f"{list(fidelity.MESHES)})")
+    parser.add_argument("--profiles", nargs="+", default=list(quality.PROFILES),
+                        help="quality suite: hardware profiles the plans are made and judged for")
+    parser.add_argument("--searches", nargs="+", default=list(quality.SEARCHES),
+                        help="quality suite: our backends")
+    parser.add_argument("--memory-matched", action="store_true",
+                        help="quality suite: also plan ours with memory_limit = the best "
+                        "expert's compiled memory (one more plan and compile per case)")
     parser.add_argument("--scale", type=int, default=1,
-                        help="quality suite: batch and width of every model times this")
-    parser.add_argument("--repeats", type=int, default=3, help="quality suite: timed steps")
+                        help="fidelity suite: batch and width of every model times this")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="quality and fidelity suites: timed steps of the small models")
     args = parser.parse_args()
     if args.quick:
         args.depths, args.d_model, args.seq, args.batch = [2, 4], 128, 32, 64
         args.models, args.meshes = ["mlp-wide", "gpt-small"], ["2x4"]
+        args.profiles, args.repeats = ["h100"], 1
     for suite in args.suites:
         if suite == "quality":
-            print(f"quality benchmark: models {args.models}, meshes {args.meshes}", flush=True)
-            result = quality.run(args.models, args.meshes, args.repeats, log=log,
-                                 scale=args.scale)
-            table = quality.markdown(result)
+            names = args.models or list(ZOO)
+            meshes = args.meshes or list(quality.MESHES)
+            print(f"quality benchmark: models {names}, meshes {meshes}, profiles "
+                  f"{args.profiles}, searches {args.searches}", flush=True)
+            result = quality.run(_known(names, ZOO), meshes, tuple(args.profiles),
+                                 tuple(args.searches), args.memory_matched, args.repeats,
+                                 log=log)
+            table = quality_report.markdown(result)
+        elif suite == "fidelity":
+            names = args.models or list(fidelity.MODELS)
+            meshes = args.meshes or list(fidelity.MESHES)
+            print(f"fidelity benchmark: models {names}, meshes {meshes}", flush=True)
+            result = fidelity.run(_known(names, fidelity.MODELS), meshes, args.repeats,
+                                  log=log, scale=args.scale)
+            table = fidelity.markdown(result)
         elif suite == "planning":
             print(f"planning benchmark: depths {args.depths}, devices {args.devices}, "
                   f"d_model {args.d_model}, hardware {args.hardware}", flush=True)
@@ -89,6 +131,13 @@ def main() -> None:
             result = propagation.run(cases, log=log)
             table = propagation.markdown(result)
         write(suite, result, table, args)
+
+
+def _known(names: list[str], known: dict) -> list[str]:
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; this suite has {list(known)}")
+    return names
 
 
 def write(suite: str, result: dict, table: str, args: argparse.Namespace) -> None:

@@ -1,225 +1,219 @@
-"""Plan quality against hand-written strategies, and how true the cost model's numbers are.
+"""Plan quality: autopar's plans against what experts write, judged from the compiled programs.
 
-For every model, mesh and plan (our three backends; the baselines of `baselines.py`): the cost
-model's estimate; from XLA's compiled program on this machine's simulated devices, collective
-bytes per device by kind (read from the HLO), peak memory (memory_analysis) and flops per
-device (cost_analysis); and the step time measured on the simulated devices. Simulated CPU
-devices share one host: their step time says nothing about GPUs; it is reported because it is
-what was measured.
+For each model (`zoo.py`: realistic widths from abstract inputs, and small models), mesh of the
+8 simulated devices and hardware profile:
+- ours: `autopar.auto_parallel(step, mesh=..., hardware=profile, search=...)`, lowered with
+  ShapeDtypeStructs and compiled (a plan per profile: the search prices that profile);
+- every expert of `experts.py` that applies: plain `jax.jit` with in/out shardings from
+  logical-axis rules, XLA propagating the rest; compiled once per mesh.
+Every compiled program is judged by `autopar.judge.evaluate` on each profile: per-device flops
+and bytes as a roofline, each collective of the HLO on the link of the mesh axes it spans, and
+the compiled memory. Realistic models are compiled, never run. Small models are also run once on
+the simulated devices, to check each program's loss and new state against one device's; their
+simulated step time is reported for what it is and decides nothing.
+
+With `memory_matched`, ours is planned again with `memory_limit` set to the compiled memory of
+the best expert that fits, and checked to compile within it and to be judged no slower.
 """
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-import architectures
-import models
-from autopar.annotate import resolve
+import autopar
 from autopar.cost.hardware import get_profile
-from autopar.hlo import collective_bytes, compiled_memory_bytes
-from autopar.lower import jit_step
-from autopar.mesh import make_mesh, mesh_shape
-from autopar.planner import assemble, solve
-from autopar.rules.factors import to_partition_spec
-from autopar.trace import trace
-from benchmarks.baselines import KINDS, baseline_annotations
+from autopar.errors import AutoparError
+from autopar.judge import Evaluation, evaluate
+from benchmarks import experts
+from benchmarks.zoo import ZOO, Case
 
-# name -> (setup taking a scale factor for batch and width, rule family)
-MODELS: dict[str, tuple[Callable[[int], tuple], str]] = {
-    "mlp-wide": (lambda k: models.mlp_setup(batch=64 * k, features=256 * k, hidden=1024 * k,
-                                            out=256 * k), "mlp"),
-    "gpt-small": (lambda k: models.gpt_setup(batch=16 * k, seq=32, vocab=256, d_model=64 * k,
-                                             heads=4, layers=2), "transformer"),
-    "gpt-medium": (lambda k: models.gpt_setup(batch=16 * k, seq=32, vocab=512, d_model=128 * k,
-                                              heads=8, layers=3), "transformer"),
-    "moe": (lambda k: architectures.moe_setup(batch=8 * k, seq=16, experts=8, d_model=64 * k),
-            "moe"),
-    "resnet": (lambda k: architectures.resnet_setup(batch=16 * k, size=16,
-                                                    channels=(32 * k, 64 * k)), "cnn"),
-    "encoder-decoder": (lambda k: architectures.encdec_setup(batch=8 * k, seq=16,
-                                                             d_model=64 * k), "transformer"),
-}
-MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
+MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4},
           "2x2x2": {"data": 2, "model": 2, "inner": 2}}
+PROFILES = ("h100", "tpu_v4")
+SEARCHES = ("dynamic_programming", "recursive_programming")
+OURS = "ours"
+EXPERT = "expert"
+
+Log = Callable[[str], None]
 
 
 def parse_mesh(name: str) -> dict[str, int]:
     """'2x4' -> {'data': 2, 'model': 4}: axes named data, model, inner (one to three)."""
     if name in MESHES:
         return MESHES[name]
-    sizes = [int(s) for s in name.split("x")]
-    return dict(zip(("data", "model", "inner"), sizes))
+    return dict(zip(("data", "model", "inner"), (int(s) for s in name.split("x"))))
 
 
-OURS = ("dynamic_programming", "recursive_programming", "sharding_propagation")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+def abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs): what is compiled."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _time_steps(compiled: Any, graph: Any, placed: list, repeats: int) -> float:
-    """Median seconds of `repeats` steps after one warm-up; the state is fed back."""
-    times = []
-    args = list(placed)
-    for i in range(repeats + 1):
+def judged(e: Evaluation, profile: str) -> dict[str, Any]:
+    """The judge's figures as a row's fields."""
+    by_axes: dict[str, float] = {}
+    for c in e.collectives:
+        key = f"{c.kind} over {'/'.join(c.axes) or '-'}"
+        by_axes[key] = by_axes.get(key, 0.0) + float(c.result_bytes * c.executions)
+    return {"profile": profile, "step_ms": e.step_s * 1e3, "compute_ms": e.compute_s * 1e3,
+            "collective_ms": e.communication_s * 1e3, "collective_bytes": e.collective_bytes(),
+            "collectives_by_axes": by_axes, "memory_bytes": e.memory_bytes, "flops": e.flops,
+            "bytes_accessed": e.bytes_accessed,
+            "fits_memory": e.memory_bytes <= get_profile(profile).memory_bytes}
+
+
+class Compiler:
+    """Compiles lowered programs once each: plans that lower to the same program (our search
+    on two profiles, or two searches) share one compile."""
+
+    def __init__(self) -> None:
+        self._done: dict[str, tuple[Any, float, str]] = {}
+
+    def __call__(self, lowered: Any, label: str) -> tuple[Any, float, str]:
+        """(compiled, compile seconds, label of the plan first compiled to this program)."""
+        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        if key not in self._done:
+            t0 = time.perf_counter()
+            self._done[key] = (lowered.compile(), time.perf_counter() - t0, label)
+        return self._done[key]
+
+
+def run_once(compiled: Any, host: tuple, reference: tuple, repeats: int) -> dict[str, Any]:
+    """Run `compiled` on fresh device copies of `host` (the state is donated), `repeats`
+    times; its loss and new state against the single-device `reference` (global relative
+    norms), and the median simulated step time."""
+    # Ours takes the flat leaves, an expert's jit the (state, batch) tree: the executable's
+    # own input tree says which.
+    shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
+    leaves = jax.tree_util.tree_leaves(host)
+    times, out = [], None
+    for _ in range(max(repeats, 1)):
+        placed = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        call, kwargs = jax.tree_util.tree_unflatten(compiled.in_tree, placed)
         t0 = time.perf_counter()
-        outs = jax.block_until_ready(compiled(*args))
-        if i:
-            times.append(time.perf_counter() - t0)
-        for out_index, in_index in graph.state_pairs.items():
-            args[in_index] = outs[out_index]
-    return statistics.median(times)
+        out = jax.block_until_ready(compiled(*call, **kwargs))
+        times.append(time.perf_counter() - t0)
+    got, want = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(reference)
+    return {"loss_rel_err": _rel(got[-1:], want[-1:]), "state_rel_err": _rel(got[:-1], want[:-1]),
+            "simulated_step_ms": statistics.median(times) * 1e3}
 
 
-def measure(graph: Any, decisions: Any, plan: Any, mesh: Any, flat_args: list,
-            repeats: int) -> dict[str, Any]:
-    """Compile the plan on `mesh` and read what XLA made of it."""
-    jitted = jit_step(graph, decisions, mesh, [t.spec for t in plan.outputs])
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat_args]
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*abstract).compile()
-    compile_s = time.perf_counter() - t0
-    text = compiled.as_text()
-    peak = compiled_memory_bytes(compiled)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    placed = [jax.device_put(x, NamedSharding(mesh, to_partition_spec(s)))
-              for x, s in zip(flat_args, decisions.inputs)]
-    return {"compiled_collective_bytes": collective_bytes(text),
-            "compiled_peak_memory_bytes": int(peak), "compiled_flops": float(cost.get("flops", 0)),
-            "compile_s": compile_s,
-            "step_ms_simulated": 1e3 * _time_steps(compiled, graph, placed, repeats)}
+def _rel(got: list, want: list) -> float:
+    """||got - want|| / ||want|| over all float leaves together."""
+    pairs = [(np.asarray(g, np.float64), np.asarray(w, np.float64)) for g, w in zip(got, want)
+             if np.issubdtype(np.asarray(w).dtype, np.floating)]
+    num = sum(float(np.sum((g - w) ** 2)) for g, w in pairs)
+    den = sum(float(np.sum(w ** 2)) for _, w in pairs)
+    return (num / den) ** 0.5 if den else num ** 0.5
 
 
-def run(model_names: list[str], mesh_names: list[str], repeats: int = 3,
-        log: Callable[[str], None] = print, zoo: dict | None = None,
-        scale: int = 1) -> dict[str, Any]:
-    """Every plan of every model in `model_names` (from `zoo`, default MODELS; batch and width
-    times `scale`) on every mesh ('2x4' and the like, over jax.devices())."""
-    hw = get_profile(None)
-    zoo = MODELS if zoo is None else zoo
-    rows = []
-    overhead = []
+def run(model_names: list[str], mesh_names: list[str], profiles: tuple[str, ...] = PROFILES,
+        searches: tuple[str, ...] = SEARCHES, memory_matched: bool = False, repeats: int = 1,
+        log: Log = print, zoo: dict[str, Case] | None = None) -> dict[str, Any]:
+    """Every plan of every model on every mesh, judged on every profile (see the module)."""
+    zoo = ZOO if zoo is None else zoo
+    rows: list[dict] = []
+    matched: list[dict] = []
     for name in model_names:
-        setup, family = zoo[name]
-        step, state, batch = setup(scale)
-        # Host copies: every plan's run gets fresh device arrays (its state is donated).
-        flat = [np.asarray(x) for x in jax.tree_util.tree_leaves((state, batch))]
-        t0 = time.perf_counter()
-        graph, in_tree, out_shape = trace(step, (state, batch))
-        trace_s = time.perf_counter() - t0
-        out_tree = jax.tree_util.tree_structure(out_shape)
-        inputs = [(graph.tensors[t].path, graph.tensors[t].shape) for t in graph.inputs]
+        case = zoo[name]
+        step, state, batch = case.setup()
+        args = abstract((state, batch))
+        numerics = None
+        if not case.realistic:  # small: run each program and compare with one device
+            host = jax.tree_util.tree_map(np.asarray, (state, batch))
+            reference = jax.device_get(jax.jit(step)(*host))
+            numerics = (host, reference)
         for mesh_name in mesh_names:
             axes = parse_mesh(mesh_name)
-            shape, mesh = mesh_shape(axes), make_mesh(axes)
-            everything = tuple(a for a, s in axes.items() if s > 1)
-            candidates = [(b, b, None) for b in OURS[:2]]
-            candidates.append(("sharding_propagation", "sharding_propagation",
-                               [(r"^batch/", P(everything))]))
-            candidates += [(k, "dynamic_programming", baseline_annotations(k, family, inputs, axes))
-                           for k in KINDS]
-            measured: dict[tuple, dict] = {}  # equal plans are compiled once
-            for label, backend, seeds in candidates:
-                if label in KINDS and seeds is None:
-                    continue
-                t0 = time.perf_counter()
-                pinned = resolve(graph, shape, seeds)
-                decisions, stats = solve(graph, shape, hw, backend, pinned)
-                plan = assemble(graph, decisions, shape, hw, label, stats, in_tree, out_tree,
-                                pinned)
-                plan_s = time.perf_counter() - t0
-                row = {"model": name, "mesh": mesh_name, "plan": label,
-                       "ours": label in OURS, "estimated_ms": plan.cost["total_s"] * 1e3,
-                       "predicted_collective_bytes": {k: plan.cost.get(f"{k}_bytes", 0.0)
-                                                      for k in COLLECTIVES},
-                       "predicted_peak_memory_bytes": plan.cost["peak_memory_bytes"],
-                       "fits_memory": plan.cost["peak_memory_bytes"] <= hw.memory_bytes,
-                       "exact": stats.get("exact"), "gap": stats.get("gap"),
-                       "plan_s": plan_s, "trace_s": trace_s}
-                key = (tuple(decisions.inputs), tuple(
-                    (o.in_specs, o.out_specs, o.partial_axes) for o in decisions.ops))
-                if key not in measured:
-                    measured[key] = {**measure(graph, decisions, plan, mesh, flat, repeats),
-                                     "same_as": label}
-                row.update(measured[key])
-                rows.append(row)
-                log(f"{name} {mesh_name} {label:<22} est {row['estimated_ms']:.3f} ms, "
-                    f"collectives {_total(row['predicted_collective_bytes']):,.0f} B predicted / "
-                    f"{_total(row['compiled_collective_bytes']):,.0f} B compiled, "
-                    f"step {row['step_ms_simulated']:.2f} ms (simulated)")
-        overhead.append(_overhead(name, step, state, batch, trace_s, rows))
-    return {"quality": rows, "overhead": overhead, "hardware": hw.name}
+            mesh = autopar.make_mesh(axes)
+            # A program equal to one compiled on an earlier mesh would come from jax's
+            # in-memory cache: every mesh's compile times are its own.
+            jax.clear_caches()
+            group = _mesh_rows(name, case, step, args, mesh_name, axes, mesh, profiles,
+                               searches, numerics, repeats, log)
+            rows += group
+            if memory_matched:
+                matched += [_memory_matched(name, step, args, mesh_name, mesh, profile, group,
+                                            log) for profile in profiles]
+    return {"quality": rows, "memory_matched": matched, "profiles": list(profiles),
+            "models": {n: zoo[n].about for n in model_names}}
 
 
-def _total(kinds: dict[str, float]) -> float:
-    return float(sum(kinds.values()))
+def _mesh_rows(name: str, case: Case, step: Callable, args: tuple, mesh_name: str,
+               axes: dict[str, int], mesh: Any, profiles: tuple[str, ...],
+               searches: tuple[str, ...], numerics: tuple | None, repeats: int,
+               log: Log) -> list[dict]:
+    compiler = Compiler()
+    programs: list[tuple[dict, Any, tuple[str, ...]]] = []  # (row base, compiled, profiles)
+    for kind in experts.KINDS:
+        if not experts.applies(kind, case.family, axes):
+            continue
+        lowered = experts.expert_step(step, kind, case.family, *args, mesh).lower(*args)
+        compiled, compile_s, same = compiler(lowered, kind)
+        programs.append(({"plan": kind, "source": EXPERT, "compile_s": compile_s,
+                          "same_as": same}, compiled, profiles))
+    for profile in profiles:
+        for search in searches:
+            t0 = time.perf_counter()
+            ours = autopar.auto_parallel(step, mesh=mesh, hardware=profile, search=search)
+            plan = ours.plan(*args)
+            plan_s = time.perf_counter() - t0
+            compiled, compile_s, same = compiler(ours.lower(*args), f"{search}@{profile}")
+            programs.append(({"plan": search, "source": OURS, "plan_s": plan_s,
+                              "estimated_ms": plan.cost["total_s"] * 1e3,
+                              "compile_s": compile_s, "same_as": same}, compiled, (profile,)))
+    rows = []
+    for base, compiled, judged_on in programs:
+        extra = {}
+        if numerics is not None:
+            extra = run_once(compiled, *numerics, repeats)
+        for profile in judged_on:
+            row = {"model": name, "mesh": mesh_name, "realistic": case.realistic, **base,
+                   **judged(evaluate(compiled, mesh, profile), profile), **extra}
+            rows.append(row)
+            log(f"{name} {mesh_name} {profile} {row['source']} {row['plan']:<22} judged "
+                f"{row['step_ms']:.3f} ms (compute {row['compute_ms']:.3f}, collectives "
+                f"{row['collective_ms']:.3f}), {row['memory_bytes'] / 2**20:,.0f} MiB, "
+                f"compile {row['compile_s']:.1f} s")
+    return rows
 
 
-def _overhead(name: str, step: Any, state: Any, batch: Any, trace_s: float,
-              rows: list[dict]) -> dict[str, Any]:
-    """Our planning time (trace plus DP's search on the first mesh) over jax.jit's compile."""
+def best_expert(rows: list[dict]) -> dict | None:
+    """The expert judged fastest among those that fit the profile's memory."""
+    fitting = [r for r in rows if r["source"] == EXPERT and r["fits_memory"]]
+    return min(fitting, key=lambda r: r["step_ms"]) if fitting else None
+
+
+def _memory_matched(name: str, step: Callable, args: tuple, mesh_name: str, mesh: Any,
+                    profile: str, group: list[dict], log: Log) -> dict[str, Any]:
+    """Ours, given the best expert's compiled memory as its memory_limit."""
+    best = best_expert([r for r in group if r["profile"] == profile])
+    row: dict[str, Any] = {"model": name, "mesh": mesh_name, "profile": profile}
+    if best is None:
+        return {**row, "error": "no expert fits the profile's memory"}
+    limit = best["memory_bytes"]
+    row.update(expert=best["plan"], expert_ms=best["step_ms"], limit_bytes=limit)
     t0 = time.perf_counter()
-    jax.jit(step).lower(state, batch).compile()
-    jit_s = time.perf_counter() - t0
-    ours = next(r for r in rows if r["model"] == name and r["plan"] == "dynamic_programming")
-    return {"model": name, "jit_compile_s": jit_s, "plan_s": trace_s + ours["plan_s"],
-            "plan_over_compile": (trace_s + ours["plan_s"]) / jit_s}
-
-
-def headlines(rows: list[dict]) -> list[dict[str, Any]]:
-    """Per model and mesh: ours (DP) over the best baseline that fits, on estimated cost and on
-    compiled collective bytes; and the fidelity of the prediction."""
-    out = []
-    for key in dict.fromkeys((r["model"], r["mesh"]) for r in rows):
-        group = [r for r in rows if (r["model"], r["mesh"]) == key]
-        ours = next(r for r in group if r["plan"] == "dynamic_programming")
-        hands = [r for r in group if not r["ours"] and r["fits_memory"]]
-        best = min(hands, key=lambda r: r["estimated_ms"])
-        compiled_best = _total(best["compiled_collective_bytes"])
-        out.append({
-            "model": key[0], "mesh": key[1], "best_baseline": best["plan"],
-            "estimated_over_best": ours["estimated_ms"] / best["estimated_ms"],
-            "collective_bytes_over_best": (_total(ours["compiled_collective_bytes"])
-                                           / compiled_best if compiled_best else None),
-            "best_of_ours": min((r for r in group if r["ours"]),
-                                key=lambda r: r["estimated_ms"])["plan"]})
-    return out
-
-
-def _ratio(a: float, b: float) -> str:
-    return "-" if not b else f"{a / b:.2f}"
-
-
-def markdown(result: dict[str, Any]) -> str:
-    rows = result["quality"]
-    lines = ["| model | mesh | plan | est. ms | pred. / compiled collective bytes | by kind "
-             "(compiled) | pred. / compiled peak memory | compiled GFLOP/device | step ms "
-             "(simulated CPU) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        pred, comp = _total(r["predicted_collective_bytes"]), _total(r["compiled_collective_bytes"])
-        kinds = ", ".join(f"{k} {v / 1e3:,.0f}k" for k, v in r["compiled_collective_bytes"].items())
-        same = "" if r["same_as"] == r["plan"] else f" (= {r['same_as']})"
-        lines.append(
-            f"| {r['model']} | {r['mesh']} | {r['plan']}{'' if r['ours'] else ' (hand)'}{same} | "
-            f"{r['estimated_ms']:.3f} | {pred / 1e3:,.0f}k / {comp / 1e3:,.0f}k "
-            f"({_ratio(pred, comp)}) | {kinds or '-'} | "
-            f"{_ratio(r['predicted_peak_memory_bytes'], r['compiled_peak_memory_bytes'])} | "
-            f"{r['compiled_flops'] / 1e9:.3f} | {r['step_ms_simulated']:.2f} |")
-    lines += ["", "| model | mesh | best hand-written (fits memory) | ours (DP) / best: estimated "
-              "| ours / best: compiled collective bytes | best of our backends |",
-              "|---|---|---|---|---|---|"]
-    for h in headlines(rows):
-        coll = "-" if h["collective_bytes_over_best"] is None else \
-            f"{h['collective_bytes_over_best']:.2f}"
-        lines.append(f"| {h['model']} | {h['mesh']} | {h['best_baseline']} | "
-                     f"{h['estimated_over_best']:.3f} | {coll} | {h['best_of_ours']} |")
-    lines += ["", "| model | jax.jit compile s | our planning s (trace + DP) | ratio |",
-              "|---|---|---|---|"]
-    for o in result["overhead"]:
-        lines.append(f"| {o['model']} | {o['jit_compile_s']:.2f} | {o['plan_s']:.2f} | "
-                     f"{o['plan_over_compile']:.2f} |")
-    return "\n".join(lines)
+    try:
+        ours = autopar.auto_parallel(step, mesh=mesh, hardware=profile, memory_limit=limit)
+        ours.plan(*args)
+        row["plan_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiled = ours.lower(*args).compile()
+        row["compile_s"] = time.perf_counter() - t0
+    except AutoparError as e:
+        row.update(plan_s=time.perf_counter() - t0, error=str(e)[:300])
+        log(f"{name} {mesh_name} {profile} memory-matched: {row['error']}")
+        return row
+    e = evaluate(compiled, mesh, profile)
+    row.update(step_ms=e.step_s * 1e3, memory_bytes=e.memory_bytes,
+               fits_limit=e.memory_bytes <= limit, over_expert=e.step_s * 1e3 / best["step_ms"])
+    log(f"{name} {mesh_name} {profile} memory-matched to {best['plan']} "
+        f"({limit / 2**20:,.0f} MiB): {row['step_ms']:.3f} ms, {e.memory_bytes / 2**20:,.0f} "
+        f"MiB, {row['over_expert']:.3f} of the expert's time")
+    return row

@@ -1,6 +1,8 @@
-"""More model families for the benchmark suite: mixture of experts, ResNet-style CNN, and an
-encoder-decoder with cross attention. Each `*_setup` returns (step, state, batch) like those in
-models.py, and each module names its layers so that hand-written rules can find them.
+"""More model families for the benchmark suite: mixture of experts, ResNet-style CNNs (basic
+blocks, and ResNet-50's bottlenecks), and an encoder-decoder with cross attention. Each
+`*_setup` returns (step, state, batch) like those in models.py, each `*_abstract` the same as
+ShapeDtypeStructs (realistic sizes, nothing allocated), and each module names its layers so that
+hand-written rules can find them.
 """
 from __future__ import annotations
 
@@ -52,12 +54,13 @@ class MoEStack(nn.Module):
     d_model: int = 64
     out: int = 32
     experts: int = 4
+    hidden: int = 128  # each expert's hidden width
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nn.Dense(self.d_model, name="embed")(x)
         for i in range(self.layers):
-            x = x + MoE(self.experts, name=f"moe_{i}")(nn.LayerNorm()(x))
+            x = x + MoE(self.experts, hidden=self.hidden, name=f"moe_{i}")(nn.LayerNorm()(x))
         return nn.Dense(self.out, name="head")(x)
 
 
@@ -152,7 +155,50 @@ def encdec_setup(batch: int = 8, seq: int = 16, seed: int = 0, **config):
     labels = jax.random.randint(k3, (batch, seq), 0, model.vocab)
     params = model.init(k4, source, target)
     tx = optax.adamw(1e-3)
+    return (encdec_step(model, tx), (params, tx.init(params)),
+            {"source": source, "target": target, "labels": labels})
 
+
+class Bottleneck(nn.Module):
+    """ResNet-50's bottleneck: a 1x1 convolution down to `mid` channels, a 3x3 one, a 1x1 one
+    up to `out`, GroupNorm after each (no batch statistics to carry), a projected shortcut
+    where the width changes."""
+
+    mid: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nn.relu(nn.GroupNorm(32)(nn.Conv(self.mid, (1, 1), name="conv_in")(x)))
+        y = nn.relu(nn.GroupNorm(32)(nn.Conv(self.mid, (3, 3), name="conv_mid")(y)))
+        y = nn.GroupNorm(32)(nn.Conv(self.out, (1, 1), name="conv_out")(y))
+        if x.shape[-1] != self.out:
+            x = nn.Conv(self.out, (1, 1), name="project")(x)
+        return nn.relu(x + y)
+
+
+class BottleneckResNet(nn.Module):
+    """ResNet-50's widths (stages of 256 to 2,048 channels) with `blocks` bottlenecks per
+    stage; a 3x3 stem stands in for the 7x7 stride-2 stem and max-pool, so a 56x56 input has
+    ResNet-50's spatial sizes (56, 28, 14, 7) in its four stages."""
+
+    stages: tuple[tuple[int, int], ...] = ((64, 256), (128, 512), (256, 1024), (512, 2048))
+    blocks: int = 1
+    classes: int = 1000
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(nn.Conv(self.stages[0][0], (3, 3), name="stem")(x))
+        for i, (mid, out) in enumerate(self.stages):
+            if i:
+                x = nn.avg_pool(x, (2, 2), (2, 2))
+            for j in range(self.blocks):
+                x = Bottleneck(mid, out, name=f"stage{i}_block{j}")(x)
+        return nn.Dense(self.classes, name="head")(x.mean(axis=(1, 2)))
+
+
+def encdec_step(model: EncoderDecoder, tx: optax.GradientTransformation):
+    """The encoder-decoder's train step: batch holds source, target and labels."""
     def step(state, batch):
         params, opt_state = state
 
@@ -162,5 +208,40 @@ def encdec_setup(batch: int = 8, seq: int = 16, seed: int = 0, **config):
         value, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), value
+    return step
 
-    return step, (params, tx.init(params)), {"source": source, "target": target, "labels": labels}
+
+# Abstract variants: (step, state, batch) as ShapeDtypeStructs, for compiling realistic sizes
+# without allocating them (jax.eval_shape of the initialisation).
+
+def _abstract_state(model: nn.Module, tx: optax.GradientTransformation, *inputs):
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)
+    return params, jax.eval_shape(tx.init, params)
+
+
+def moe_abstract(batch: int, seq: int, features: int = 32, **config):
+    """moe_setup's (step, state, batch) as ShapeDtypeStructs."""
+    model = MoEStack(**config)
+    x = jax.ShapeDtypeStruct((batch, seq, features), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch, seq, model.out), jnp.float32)
+    tx = optax.adamw(1e-3)
+    return linen_step(model, mse, tx), _abstract_state(model, tx, x), {"inputs": x, "targets": y}
+
+
+def bottleneck_resnet_abstract(batch: int, size: int = 56, **config):
+    """A BottleneckResNet's (step, state, batch) as ShapeDtypeStructs."""
+    model = BottleneckResNet(**config)
+    x = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    tx = optax.adamw(1e-3)
+    return (linen_step(model, token_loss, tx), _abstract_state(model, tx, x),
+            {"inputs": x, "targets": y})
+
+
+def encdec_abstract(batch: int, seq: int, **config):
+    """encdec_setup's (step, state, batch) as ShapeDtypeStructs."""
+    model = EncoderDecoder(**config)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    tx = optax.adamw(1e-3)
+    return (encdec_step(model, tx), _abstract_state(model, tx, tokens, tokens),
+            {"source": tokens, "target": tokens, "labels": tokens})

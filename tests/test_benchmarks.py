@@ -23,21 +23,55 @@ def test_propagation_benchmark_smoke():
     assert "| tiny GPT | 2x4 | megatron | sharding_propagation |" in propagation.markdown(result)
 
 
-def test_quality_suite_smoke():
+def test_fidelity_suite_smoke():
     import models
-    from benchmarks import quality
+    from benchmarks import fidelity
     tiny = {"tiny-mlp": (lambda k: models.mlp_setup(batch=16 * k, features=8, hidden=16, out=8),
                          "mlp")}
-    result = quality.run(["tiny-mlp"], ["2x4"], repeats=1, log=lambda line: None, zoo=tiny)
+    result = fidelity.run(["tiny-mlp"], ["2x4"], repeats=1, log=lambda line: None, zoo=tiny)
     rows = result["quality"]
-    assert {r["plan"] for r in rows} == {*quality.OURS, "data_parallel", "fsdp", "megatron",
+    assert {r["plan"] for r in rows} == {*fidelity.OURS, "data_parallel", "fsdp", "megatron",
                                          "megatron_2d"}
     for r in rows:
         assert r["compiled_peak_memory_bytes"] > 0 and r["step_ms_simulated"] > 0
-    # Every baseline pins the inputs, and the search is exact here: ours is at least as good.
-    (headline,) = quality.headlines(rows)
+    # Every pinned baseline pins the inputs, and the search is exact here: ours is at least as
+    # good.
+    (headline,) = fidelity.headlines(rows)
     assert headline["estimated_over_best"] <= 1 + 1e-9
-    assert "| tiny-mlp | 2x4 | dynamic_programming |" in quality.markdown(result)
+    assert "| tiny-mlp | 2x4 | data_parallel (pinned) |" in fidelity.markdown(result)
+
+
+def test_quality_suite_judges_experts_and_ours():
+    """Experts are plain jax.jit programs judged from their HLO: the data-parallel one
+    all-reduces exactly the gradients (and the loss), nothing else; every program computes
+    the single-device step."""
+    import math
+
+    import jax
+    import models
+    from benchmarks import quality, quality_report
+    from benchmarks.zoo import Case
+    tiny = {"tiny-mlp": Case(lambda: models.mlp_setup(batch=16, features=8, hidden=16, out=8),
+                             "mlp", False, "tiny MLP")}
+    result = quality.run(["tiny-mlp"], ["2x4"], ("h100",), ("dynamic_programming",),
+                         memory_matched=True, log=lambda line: None, zoo=tiny)
+    rows = {r["plan"]: r for r in result["quality"]}
+    assert set(rows) == {"data_parallel", "fsdp", "megatron", "megatron_dp",
+                         "dynamic_programming"}
+    params = tiny["tiny-mlp"].setup()[1][0]
+    gradient_bytes = sum(4 * math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+    dp = rows["data_parallel"]
+    assert dp["collective_bytes"] == {"all-reduce": gradient_bytes + 4}  # + the f32 loss
+    assert set(dp["collectives_by_axes"]) == {"all-reduce over data/model"}
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["memory_bytes"] > 0 and r["flops"] > 0
+        assert math.isclose(r["step_ms"], r["compute_ms"] + r["collective_ms"])
+        assert r["loss_rel_err"] < 1e-6 and r["state_rel_err"] < 1e-5
+    (matched,) = result["memory_matched"]
+    assert matched["fits_limit"], matched
+    (head,) = quality_report.headlines(result["quality"])
+    assert head["best_expert"] in rows and head["over_best"]["dynamic_programming"] > 0
+    assert "| tiny-mlp (small) | 2x4 | h100 |" in quality_report.markdown(result)
 
 
 def test_memory_suite_smoke():
