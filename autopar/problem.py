@@ -350,12 +350,14 @@ def _unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
     strategy, and units of a repeated layer share their strategy list.
     """
     op = unit.op
+    if "fused" not in memo:  # once per build: an equal graph from another trace hashes alike
+        memo["fused"] = fused_values(graph)  # but compares op by op in the cache
     key = (unit.cost_key, id(strategies))
     if key not in memo:
         known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
         for s in strategies:  # strategies are shared objects, alive for the whole build
             if id(s) not in known:
-                compute, comm = op_time(op, s, graph.tensors, mesh, hw, fused_values(graph))
+                compute, comm = op_time(op, s, graph.tensors, mesh, hw, memo["fused"])
                 known[id(s)] = compute + comm
         # The entry keeps the list alive, so that its id stays unique.
         memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))
