@@ -4,12 +4,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.annotate import Annotations, check_annotations_type
+from autopar.calling import Call, Conventions
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.errors import AutoparError, collect_errors
@@ -17,7 +18,7 @@ from autopar.hlo import compiled_memory_bytes
 from autopar.ir import OpGraph
 from autopar.lower import jit_step
 from autopar.memory import layer_steps, mib, parse_bytes
-from autopar.mesh import MeshShape, make_mesh, mesh_shape
+from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
 from autopar.plan import Plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
 from autopar.rules.factors import Strategy, to_partition_spec
@@ -32,7 +33,9 @@ COMPILE_CHECKS = 3
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
          hardware: str | Hardware | None = None, annotations: Annotations = None,
-         memory_limit: int | str | None = None) -> Plan:
+         memory_limit: int | str | None = None, static_argnums: int | Sequence[int] = (),
+         static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+         donate_argnames: str | Sequence[str] = ()) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -44,14 +47,19 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     device's memory (the runtime's figure for real devices, else the hardware profile's). The
     plan is the fastest found that fits, sharding optimizer state, gradients, parameters and
     activations and recomputing layers as needed; if none fits, an AutoparError says how much
-    the leanest plan needs.
+    the leanest plan needs. `static_argnums` / `static_argnames`, `donate_argnums` /
+    `donate_argnames`: as in `auto_parallel` (the memory estimate holds an undonated state
+    twice, the old and the new).
     """
     _check_backend(search)
     check_annotations_type(annotations)
+    call = Call(fn, Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
+                                   donate_argnames), args, {})
     hw = get_profile(hardware)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     with young_objects_only():
-        return plan_step(fn, args, _mesh_or_count(mesh), hw, search, annotations, limit)[2]
+        return plan_step(call.step(), call.abstract(), _mesh_or_count(mesh), hw, search,
+                         annotations, limit, call.donated)[2]
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -82,20 +90,36 @@ def _mesh_or_count(mesh: Any) -> MeshShape | int:
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
                   hardware: str | Hardware | None = None, plan: Plan | None = None,
-                  annotations: Annotations = None, memory_limit: int | str | None = None
-                  ) -> Any:
+                  annotations: Annotations = None, memory_limit: int | str | None = None,
+                  static_argnums: int | Sequence[int] = (),
+                  static_argnames: str | Sequence[str] = (),
+                  donate_argnums: int | Sequence[int] = (),
+                  donate_argnames: str | Sequence[str] = ()) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
     (or applies `plan`, with no search) and compiles it; later calls reuse the executable.
     `mesh` may also be a device count or "auto" (all devices): the mesh shape is then chosen
-    with the plan, as the cheapest of every arrangement of those devices.
+    with the plan, as the cheapest of every arrangement of those devices. A mesh from
+    `jax.make_mesh` (Explicit axes) is used with its axes made Auto (see `mesh.auto_axes`).
     `annotations` fixes shardings the search must keep (see `plan`); `autopar.shard(x, spec)`
     in the step does the same for an intermediate value. `memory_limit`: see `plan`.
+
+    The step is called as `jax.jit` calls it. Keyword arguments are traced like positional
+    ones (their paths start with the keyword). `static_argnums` / `static_argnames` name
+    hashable Python values (a bool `train` flag, a mode string) baked into the trace: each
+    distinct value gets its own plan and executable, cached. Nothing is donated unless asked,
+    as in jax.jit: `donate_argnums=0` (or `donate_argnames="state"`) lets XLA write the
+    returned state into the buffers of the state passed in, saving the state's memory on
+    every device, and deletes those arrays. An argument autopar has to move onto the mesh (a
+    single-device array, say) is copied there and only the copy is donated: the caller's
+    array is never deleted.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
-                                 plan=plan, annotations=annotations, memory_limit=memory_limit)
+                                 plan=plan, annotations=annotations, memory_limit=memory_limit,
+                                 static_argnums=static_argnums, static_argnames=static_argnames,
+                                 donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
         raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
@@ -107,9 +131,11 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
         raise AutoparError("auto_parallel got both plan= (apply a saved plan, no search) and "
                            "annotations= (seeds for a search). Fix: pass one; to seed a search "
                            "with a saved plan, pass it as annotations=plan.")
+    conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
+                                 donate_argnames)
     hw = get_profile(hardware)
     return AutoParallel(fn, mesh, search, hw, plan, annotations,
-                        resolve_memory_limit(memory_limit, hw, mesh))
+                        resolve_memory_limit(memory_limit, hw, mesh), conventions)
 
 
 def _check_backend(search: str) -> None:
@@ -122,35 +148,36 @@ class AutoParallel:
 
     def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
                  saved: Plan | None, annotations: Annotations = None,
-                 memory_limit: int | None = None) -> None:
+                 memory_limit: int | None = None, conventions: Conventions | None = None
+                 ) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
-        self.requested = mesh if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
+        self.conventions = conventions or Conventions()
+        self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
         if saved is not None and not isinstance(mesh, Mesh):
             self.requested = mesh_shape(dict(saved.mesh))
         self._cache: dict[Any, tuple[OpGraph, Decisions, Plan, Any, Mesh]] = {}
         self._called: set[Any] = set()  # signatures whose executable exists
         functools.update_wrapper(self, fn)
 
-    def _signature(self, args: tuple) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        return tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
-                           for x in leaves)
+    def _call(self, args: tuple, kwargs: dict) -> Call:
+        return Call(self.fn, self.conventions, args, kwargs)
 
-    def _compiled(self, args: tuple, key: Any = None
+    def _compiled(self, call: Call, key: Any = None
                   ) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
-        key = self._signature(args) if key is None else key
+        key = call.key() if key is None else key
         if key not in self._cache:
             with young_objects_only():
-                self._cache[key] = self._make(args)
+                self._cache[key] = self._make(call)
         return self._cache[key]
 
-    def _make(self, args: tuple) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
+    def _make(self, call: Call) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
+        fn, args = call.step(), call.abstract()
         requested = self.requested
         shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
         if self.saved is not None:
-            graph, in_tree, out_shape = trace(self.fn, args)
+            graph, in_tree, out_shape = trace(fn, args, call.donated)
             decisions = decisions_from_plan(graph, self.saved, shape)
             p = assemble(graph, decisions, shape, self.hw, self.saved.backend,
                          dict(self.saved.search_stats), in_tree,
@@ -160,8 +187,8 @@ class AutoParallel:
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
             try:
-                graph, decisions, p = plan_step(self.fn, args, shape, self.hw, self.search,
-                                                self.annotations, limit)
+                graph, decisions, p = plan_step(fn, args, shape, self.hw, self.search,
+                                                self.annotations, limit, call.donated)
             except AutoparError as e:
                 if not check:
                     raise
@@ -170,11 +197,15 @@ class AutoParallel:
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
                     f"{e}") from e
             jitted, mesh = self._jitted(graph, decisions, p)
+            if not check and "memory_price_s_per_byte" in p.search_stats:
+                unbudgeted = self._unbudgeted(call, shape)
+                if unbudgeted is not None:
+                    return unbudgeted
             if not check and p.cost["peak_memory_bytes"] < CHECK_BAND * self.memory_limit:
                 break
             # Close to the limit the estimate's error could decide, and after a plan did not
             # fit it has: XLA's own figure does.
-            compiled = compiled_memory_bytes(jitted.lower(*_abstract(args)).compile())
+            compiled = compiled_memory_bytes(jitted.lower(*_abstract(call.leaves)).compile())
             p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
                                     search_stats={**p.search_stats, "compile_checks": check + 1})
             if compiled <= self.memory_limit:
@@ -191,22 +222,43 @@ class AutoParallel:
             limit = min(limit - 1, int(self.memory_limit * estimate / compiled))
         return graph, decisions, p, jitted, mesh
 
+    def _unbudgeted(self, call: Call, shape: MeshShape | int
+                    ) -> tuple[OpGraph, Decisions, Plan, Any, Mesh] | None:
+        """The plan made without a memory limit, where XLA's own figure puts it within the
+        limit. The budget acts on the estimate, whose error near the limit goes either way: a
+        plan estimated a little over the limit may compile within it, and it is faster than
+        the leaner plan the budget chose (a small GPT at a data-parallel expert's memory was
+        estimated 7% over it and planned 2.6x slower). Compiled only where its estimate is
+        within that error of the limit."""
+        graph, decisions, p = plan_step(call.step(), call.abstract(), shape, self.hw,
+                                        self.search, self.annotations, None, call.donated)
+        if CHECK_BAND * p.cost["peak_memory_bytes"] > self.memory_limit:
+            return None
+        jitted, mesh = self._jitted(graph, decisions, p)
+        compiled = compiled_memory_bytes(jitted.lower(*_abstract(call.leaves)).compile())
+        if compiled > self.memory_limit:
+            return None
+        p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled,
+                                           "limit_bytes": self.memory_limit},
+                                search_stats={**p.search_stats, "compile_checks": 1})
+        return graph, decisions, p, jitted, mesh
+
     def _jitted(self, graph: OpGraph, decisions: Decisions, p: Plan) -> tuple[Any, Mesh]:
         """The jitted step of `decisions`, and the mesh it runs on."""
         requested = self.requested
         mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
         return jit_step(graph, decisions, mesh, [t.spec for t in p.outputs]), mesh
 
-    def mesh(self, *args: Any) -> Mesh:
+    def mesh(self, *args: Any, **kwargs: Any) -> Mesh:
         """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
-        return self._compiled(args)[4]
+        return self._compiled(self._call(args, kwargs))[4]
 
-    def __call__(self, *args: Any) -> Any:
-        key = self._signature(args)
-        graph, decisions, p, jitted, mesh = self._compiled(args, key)
-        flat = jax.tree_util.tree_leaves(args)
-        placed = [_place(x, NamedSharding(mesh, to_partition_spec(s)))
-                  for x, s in zip(flat, decisions.inputs)]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._call(args, kwargs)
+        key = call.key()
+        graph, decisions, p, jitted, mesh = self._compiled(call, key)
+        placed = [_place(x, NamedSharding(mesh, to_partition_spec(s)), k in call.donated)
+                  for k, (x, s) in enumerate(zip(call.leaves, decisions.inputs))]
         if key in self._called:
             outs = jitted(*placed)
         else:  # the first call traces the planned program and compiles it
@@ -215,62 +267,39 @@ class AutoParallel:
             self._called.add(key)
         return jax.tree_util.tree_unflatten(p.out_tree, outs)
 
-    def plan(self, *args: Any) -> Plan:
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStruct); nothing is run."""
-        return self._compiled(args)[2]
+        return self._compiled(self._call(args, kwargs))[2]
 
-    def lower(self, *args: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
-        jitted = self._compiled(args)[3]
+        call = self._call(args, kwargs)
+        jitted = self._compiled(call)[3]
         with young_objects_only():  # traces the planned program
-            return jitted.lower(*_abstract(args))
+            return jitted.lower(*_abstract(call.leaves))
 
 
-def _abstract(args: tuple) -> list[jax.ShapeDtypeStruct]:
+def _abstract(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     """The flat arguments' shapes and dtypes."""
     return [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
-            for x in jax.tree_util.tree_leaves(args)]
+            for x in leaves]
 
 
-def _place(x: Any, sharding: NamedSharding) -> Any:
-    """Put an input where the plan wants it, unless it is there already."""
+def _place(x: Any, sharding: NamedSharding, donate: bool = False) -> Any:
+    """Put an input where the plan wants it, unless it is there already.
+
+    A donated input that has to move is copied first: device_put reuses the caller's buffer
+    for a shard that is the whole array (a replicated leaf, such as optax's scalar count),
+    and donating the mesh array would then delete the caller's."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
+    if donate and isinstance(x, jax.Array):
+        x = jax.numpy.array(x, copy=True)
     return jax.device_put(x, sharding)
 
 
 def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisions:
-    """The decisions a saved plan records, checked against this trace of the step."""
-    problems = []
-    if dict(saved.mesh) != shape.as_dict():
-        problems.append(f"the plan was made for mesh {dict(saved.mesh)}, this mesh is {shape}; "
-                        "plan again for this mesh")
-    by_path = {t.path: t for t in saved.inputs}
-    inputs = []
-    for t in graph.inputs:
-        tensor = graph.tensors[t]
-        entry = by_path.get(tensor.path or "")
-        if entry is None or entry.shape != tensor.shape:
-            problems.append(f"input {tensor.path} {tensor.shape} is not in the plan with that "
-                            "shape; plan again for these arguments")
-            continue
-        inputs.append(entry.spec)
-    if len(saved.ops) != len(graph.ops):
-        problems.append(f"the plan has {len(saved.ops)} operators, this step traces to "
-                        f"{len(graph.ops)}; plan again after changing the step")
-    ops = []
-    for op, d in zip(graph.ops, saved.ops):
-        shapes = tuple(graph.tensors[t].shape for t in op.inputs)
-        if d.primitive != op.primitive or d.in_shapes != shapes:
-            problems.append(f"operator {op.id} is {op.primitive}{shapes} here but "
-                            f"{d.primitive}{d.in_shapes} in the plan; plan again")
-            break
-        used = {a for spec in (*d.in_specs, *d.out_specs) for axes in spec for a in axes}
-        ops.append(Strategy((), d.in_specs, d.out_specs, d.partial_axes,
-                            math.prod(shape.axis_size(a) for a in used)))
-    layers = layer_steps(graph)
-    problems += [f"the plan recomputes layer {name!r}, which this step does not have; plan again"
-                 for name in saved.recompute if name not in layers]
-    collect_errors(problems, f"the saved plan does not fit this step on mesh {shape}:")
-    recompute = frozenset(i for name in saved.recompute for i in layers[name])
-    return Decisions(inputs, ops, recompute)
+    """The decisions a saved plan records, checked against this trace of the step: a compact
+    plan's followers rebuilt from its deciding operators (autopar/saved.py)."""
+    from autopar.saved import decisions_from_plan as from_saved
+    return from_saved(graph, saved, shape)

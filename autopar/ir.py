@@ -24,10 +24,16 @@ class Tensor:
     dtype: str
     path: str | None = None
     const: bool = False  # a literal or closed-over constant, or computed from those alone
+    # Bytes per element where numpy does not know the dtype: a PRNG key (`key<fry>`) holds its
+    # key data, 2 x uint32 for threefry. None: numpy's itemsize of `dtype`.
+    itemsize: int | None = None
 
     @functools.cached_property
     def nbytes(self) -> int:  # read for every strategy of every operator: computed once
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "token" else 0
+        if self.dtype == "token":
+            return 0
+        size = self.itemsize if self.itemsize is not None else np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * size
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,18 @@ class Step:
     `requires[i]` names the planning op and operand index whose strategy fixes the sharding
     operand i must have (None: no requirement, e.g. a constant); results take the sharding of
     the planning op that produces them. `eqn` None copies its one input through.
+
+    `remat` numbers the recomputations the step belongs to, outermost first: the body of a
+    differentiated `remat2` (jax.checkpoint, nn.remat) recomputes forward values for the
+    backward pass, and the lowering reads what each such body takes from outside it through
+    one optimization barrier, as JAX lowers it, so XLA cannot merge it into the forward pass.
     """
 
     eqn: Any = field(hash=False, compare=False)
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     requires: tuple[tuple[int, int] | None, ...]
+    remat: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,13 +84,22 @@ class OpGraph:
     const_values: dict[int, Any] = field(hash=False, compare=False)
     # output index -> input index when the output is the next step's value of that input (state)
     state_pairs: dict[int, int] = field(hash=False, compare=False, default_factory=dict)
+    # input indices the caller donates (jax.jit's donate_argnums): XLA may write outputs there
+    donated: frozenset[int] = frozenset()
 
     def __hash__(self) -> int:
         return self._hash
 
     @functools.cached_property
     def _hash(self) -> int:  # every per-graph analysis is cached on the graph: hashed once
-        return hash((self.tensors, self.ops, self.program, self.inputs, self.outputs))
+        return hash((self.tensors, self.ops, self.program, self.inputs, self.outputs,
+                     self.donated))
+
+    @property
+    def donated_pairs(self) -> dict[int, int]:
+        """The state pairs whose input is donated: the new state written into the old one's
+        buffer (without donation XLA holds both)."""
+        return {o: i for o, i in self.state_pairs.items() if i in self.donated}
 
     def producers(self) -> dict[int, tuple[int, int]]:
         """tensor id -> (op id, output index) for every tensor a planning op produces."""

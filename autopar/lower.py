@@ -10,6 +10,11 @@ run twice: in the forward pass as usual, and again when the backward pass first 
 their results. The second run reads its inputs through an `optimization_barrier` that also holds
 a value of the backward pass, as `jax.checkpoint` does: XLA can neither merge the two runs nor
 hoist the second one into the forward pass, so the forward results die early.
+
+The user's own recomputations (`Step.remat`: the backward pass of jax.checkpoint / nn.remat,
+inlined by the tracer) are kept apart the same way, as JAX lowers them: everything such a body
+reads from outside goes through one optimization barrier, with a backward value among them, so
+XLA cannot merge the recomputation with the forward pass that computed the same values.
 """
 from __future__ import annotations
 
@@ -33,9 +38,10 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
     """A function of the flat inputs that computes the flat outputs under the plan."""
     produced = decisions.tensor_specs(graph)
     recompute = decisions.recompute
-    backward = backward_steps(graph) if recompute else set()
     made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
     layer_of = recomputed_layer_of(graph, recompute)
+    outside = _remat_inputs(graph, made_by)
+    backward = backward_steps(graph) if recompute or outside else set()
     # Steps that are one planning op whose partial sums need explicit collectives: run under
     # shard_map with psum / psum_scatter (see `_explicit`).
     op_of = {op.outputs[0]: op for op in graph.ops if len(op.outputs) == 1}
@@ -79,6 +85,7 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
         env: dict[int, Any] = dict(zip(graph.inputs, flat_args))
         again: dict[int, Any] = {}  # values of the recomputed steps' second run
         held: dict[int, Any] = {}  # their outside inputs, read through the barrier
+        barred: dict[int, dict[int, Any]] = {}  # remat -> its outside inputs, barred together
 
         def read(t: int) -> Any:
             return env[t] if t in env else graph.const_values[t]
@@ -92,17 +99,35 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
                 if t not in env:  # a constant
                     return read(t)
                 if t not in held:
-                    held[t] = _after(jax.lax.optimization_barrier((env[t], anchor))[0], anchor)
+                    held[t] = _hold([env[t]], anchor)[0]
                 return held[t]
             if t not in again:
                 again.update(zip(graph.program[i].outputs,
                                  execute(i, lambda u: reread(u, anchor, layer_of[i]))))
             return again[t]
 
+        def inside(path: tuple[int, ...], t: int) -> Any:
+            """A value as the remat `path[-1]`, inside the remats `path[:-1]`, reads it: a value
+            from outside it through its barrier, which reads the value as the enclosing remat
+            does (or the plan's recomputation, or the forward pass)."""
+            g = path[-1]
+            if t not in outside[g]:
+                return read(t)
+            if g not in barred:
+                anchor = next((env[u] for u in outside[g] if made_by.get(u) in backward),
+                              latest)
+                values = [inside(path[:-1], u) if len(path) > 1 else
+                          reread(u, anchor) if made_by.get(u) in recompute else read(u)
+                          for u in outside[g]]
+                barred[g] = dict(zip(outside[g], _hold(values, anchor)))
+            return barred[g][t]
+
         latest: Any = None  # the backward pass's latest value: what a recomputation waits for
         for i, step in enumerate(graph.program):
             reader = read
-            if i in backward and any(made_by.get(t) in recompute for t in step.inputs):
+            if step.remat:
+                reader = functools.partial(inside, step.remat)
+            elif i in backward and any(made_by.get(t) in recompute for t in step.inputs):
                 anchor = next((env[t] for t in step.inputs if made_by.get(t) in backward),
                               latest)
                 reader = (lambda t, a=anchor: reread(t, a) if made_by.get(t) in recompute
@@ -118,7 +143,8 @@ def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
 
 def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
              out_specs: Sequence[Spec]) -> Any:
-    """The jitted flat step: inputs and outputs sharded per plan, state donated."""
+    """The jitted flat step: inputs and outputs sharded per plan, the inputs the caller
+    donates (graph.donated) donated."""
     def named(spec: Spec) -> NamedSharding:
         return NamedSharding(mesh, to_partition_spec(spec))
 
@@ -126,7 +152,7 @@ def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
         interpreter(graph, decisions, mesh, out_specs),
         in_shardings=tuple(named(s) for s in decisions.inputs),
         out_shardings=[named(s) for s in out_specs],
-        donate_argnums=tuple(sorted(set(graph.state_pairs.values()))),
+        donate_argnums=tuple(sorted(graph.donated)),
     )
 
 
@@ -207,13 +233,39 @@ def _local_params(mesh: Mesh, name: str, params: dict, st: Any) -> dict:
     return local
 
 
+def _remat_inputs(graph: OpGraph, made_by: dict[int, int]) -> dict[int, tuple[int, ...]]:
+    """remat (Step.remat) -> the values its steps read from outside it, constants left out."""
+    out: dict[int, dict[int, None]] = {}
+    for step in graph.program:
+        for g in step.remat:
+            reads = out.setdefault(g, {})
+            for t in step.inputs:
+                i = made_by.get(t)
+                if (not graph.tensors[t].const
+                        and (i is None or g not in graph.program[i].remat)):
+                    reads[t] = None
+    return {g: tuple(reads) for g, reads in out.items()}
+
+
+def _hold(values: list[Any], anchor: Any) -> list[Any]:
+    """`values` read through one optimization barrier with `anchor`, each tied to it (see
+    `_after`): what reads them runs after `anchor` is computed, and XLA cannot merge it with
+    what read the same values before."""
+    *values, _ = jax.lax.optimization_barrier((*values, anchor))
+    return [_after(v, anchor) for v in values]
+
+
 def _after(value: Any, anchor: Any) -> Any:
-    """`value`, made to depend on `anchor` through arithmetic XLA keeps (a float times zero may
-    be NaN, so it is not folded): XLA's CPU compiler drops optimization barriers before it
-    schedules, and without this it would recompute in the forward pass."""
+    """`value`, made to depend on `anchor` through arithmetic XLA keeps: XLA's CPU compiler
+    drops optimization barriers before it schedules, and without this it would recompute in
+    the forward pass. min(|a|, 0), with NaN taken for 0, is zero for every float, infinities
+    included, and XLA does not fold it (`a * 0`, used before, is NaN for an infinite anchor;
+    XLA folded `|a| < 0`, and the recomputation moved back into the forward pass)."""
     if anchor is None or not jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
         return value
-    zero = (jax.numpy.ravel(anchor)[0] * 0).astype(value.dtype)
+    first = jax.numpy.ravel(anchor)[0]
+    jnp = jax.numpy
+    zero = jnp.where(jnp.isnan(first), 0, jnp.minimum(jnp.abs(first), 0)).astype(value.dtype)
     return value + zero
 
 

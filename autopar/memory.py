@@ -39,7 +39,8 @@ from autopar.errors import AutoparError
 from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.xla_buffers import (CHEAP, FUSED, FUSING_READERS, all_reduce_groups,
+from autopar.rules.table import FUSED, FUSING_READERS
+from autopar.xla_buffers import (CHEAP, all_reduce_groups,
                                  all_reduce_steps, copied_before_update, edges, input_only_steps,
                                  placed_in_donated, reshard_buffers,
                                  scatter_into_sum, schedule, transposed_operands)
@@ -162,7 +163,7 @@ def plan_memory(graph: OpGraph, decisions: Any, mesh: MeshShape) -> MemoryEstima
 
 def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
     """The returned state that keeps its input's sharding: written into the donated input."""
-    return {graph.outputs[o] for o, i in graph.state_pairs.items()
+    return {graph.outputs[o] for o, i in graph.donated_pairs.items()
             if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
 
 
@@ -215,7 +216,9 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
               if any(r <= done for r in readers[t])]
     begin = len(copied)  # the time of the first step
     layer_at = recomputed_layer_of(graph, recompute)
-    early = input_only_steps(graph, done + 1) - layer_at.keys()
+    # Recomputations (the plan's, and the user's: Step.remat) wait for the backward pass.
+    early = (input_only_steps(graph, done + 1) - layer_at.keys()
+             - {i for i, step in enumerate(program) if step.remat})
     order = schedule(graph, groups, done + 1) or range(len(program))
     when = [begin if i in early else begin + at for i, at in enumerate(order)]
     # The steps before the optimizer's keep their order: a value they alone need is last
@@ -337,7 +340,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
     # allocation is then free until the update, for other buffers.
     slots = []
     update_of = {graph.inputs[i]: producer_step[graph.outputs[o]]
-                 for o, i in graph.state_pairs.items()}
+                 for o, i in graph.donated_pairs.items()}
     for at, t in enumerate(copied):
         rs = [r for r in readers[t] if r <= done]
         buffers.append((at, _last_read(program, materialised, last, rs, at, when),

@@ -57,6 +57,22 @@ def make_mesh(axes: Mapping[str, int], devices: Any = None) -> Mesh:
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis `AxisType.Auto`: the same devices in the same order.
+
+    jax.make_mesh gives Explicit axes (JAX's default since 0.9), under which a sharding is part
+    of an array's type and may change only through `jax.sharding.reshard`; the lowering instead
+    pins the plan GSPMD-style, with in/out shardings and `with_sharding_constraint` between
+    equations, which JAX allows on Auto axes only. Planning needs only the axis names and
+    sizes, and a NamedSharding over either mesh puts every shard on the same device, so
+    converting is the simplest correct choice: the caller's arrays on their Explicit mesh are
+    relabelled, not moved, and the step's results come back on the Auto mesh.
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def mesh_shape(mesh: Any) -> MeshShape:
     """The MeshShape of a Mesh, an AbstractMesh or a dict of axis sizes."""
     if isinstance(mesh, MeshShape):

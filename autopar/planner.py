@@ -13,8 +13,8 @@ import search
 from autopar.annotate import Annotations, resolve as resolve_annotations
 from autopar.budget import plan_within
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import (fused_values, op_collectives, op_signature, op_time, reshard_collectives,
-                                reshard_time, shard_bytes)
+from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
+                                reshard_time, shard_bytes, value_facts)
 from autopar.memory import memory_json, plan_memory, recomputed_layers, recomputed_ops
 from autopar.errors import AutoparError
 from autopar.ir import OpGraph
@@ -23,7 +23,7 @@ from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.problem import (Problem, Unit, build_problem, kept_problem, main_operand,
                              make_units)
-from autopar.recursive import rounds_within, solve_recursive
+from autopar.recursive import merged_within, rounds_within, solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
 
@@ -177,17 +177,20 @@ def _best_within_bound(full: Problem, mesh: MeshShape) -> tuple[search.Solution,
     its graph too wide for exact elimination on meshes of several axes (docs/decisions.md).
     Bounded elimination of the full space gives a plan and a lower bound on the optimum; the
     axis-by-axis recursion within the same problem (`rounds_within`: no problem is built per
-    round) gives a second plan. The cheaper wins, and the bound says how far from optimal it
-    can be.
+    round) gives a second plan, and all axes taken as one (`merged_within`) a third. The
+    cheapest wins, and the bound says how far from optimal it can be.
     """
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
     rounds_answer = rounds_within(full, mesh)
-    candidates = [(bounded, "full"), (rounds_answer, "one axis at a time")]
+    merged = merged_within(full, mesh)
+    candidates = [(bounded, "full"), (rounds_answer, "one axis at a time"),
+                  (merged, "all axes as one")]
     best, space = min(candidates, key=lambda c: c[0].cost)
     bound = bounded.stats["lower_bound"]
     gap = 0.0 if best.cost <= bound else (best.cost - bound) / best.cost
     stats = {**best.stats, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
-             "bounded_elimination_s": bounded.cost, "one_axis_at_a_time_s": rounds_answer.cost}
+             "bounded_elimination_s": bounded.cost, "one_axis_at_a_time_s": rounds_answer.cost,
+             "all_axes_as_one_s": merged.cost}
     return search.Solution(best.choice, best.cost, stats), space
 
 
@@ -252,11 +255,11 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     recompute_s = 0.0
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
-    fused = fused_values(graph)
+    facts = value_facts(graph)
     for op, st in zip(graph.ops, decisions.ops):
-        key = (op_signature(op, tensors, fused), st)
+        key = (op_signature(op, tensors, facts), st)
         if key not in known:
-            known[key] = (op_time(op, st, tensors, mesh, hw, fused),
+            known[key] = (op_time(op, st, tensors, mesh, hw, facts),
                           op_collectives(op, st, tensors, mesh))
         (c, m), collectives = known[key]
         if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
@@ -312,16 +315,17 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
-              backend: str, annotations: Annotations = None, memory_limit: int | None = None
-              ) -> tuple[OpGraph, Decisions, Plan]:
-    """Trace, search and assemble: the whole planning pipeline for one call signature.
+              backend: str, annotations: Annotations = None, memory_limit: int | None = None,
+              donated: frozenset[int] = frozenset()) -> tuple[OpGraph, Decisions, Plan]:
+    """Trace, search and assemble: the whole planning pipeline for one call signature
+    (`donated`: the flat inputs the caller donates, which the memory estimate reads).
 
     `mesh` given as a device count tries every mesh shape of that many devices
     (`candidate_meshes`) on which the annotations apply, and keeps the plan of least estimated
     cost. With `memory_limit` (bytes per device), only plans that fit it (`budget`).
     """
     t0 = time.perf_counter()
-    graph, in_tree, out_shape = trace(fn, args)
+    graph, in_tree, out_shape = trace(fn, args, donated)
     t1 = time.perf_counter()
     out_tree = jax.tree_util.tree_structure(out_shape)
     units = make_units(graph)

@@ -19,7 +19,8 @@ import numpy as np
 
 import search
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import fused_values, op_signature, op_time, reshard_terms, shard_bytes
+from autopar.cost.model import (op_signature, op_time, reshard_terms, shard_bytes, value_facts,
+                                weight_gradients)
 from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
@@ -128,7 +129,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
         if not tensor.const:
             units.append(Unit(tensor.path or f"input {t}", _input_rule(tensor), (), (t,), None))
     missing: dict[str, list[str]] = defaultdict(list)
-    fused = fused_values(graph)
+    facts = value_facts(graph)
     for op in graph.ops:
         ins = [graph.tensors[t].shape for t in op.inputs]
         outs = [graph.tensors[t].shape for t in op.outputs]
@@ -138,7 +139,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
             rule = replicated_rule(ins, outs)
         rule = canonical(rule)
         units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
-                          op_signature(op, graph.tensors, fused)))
+                          op_signature(op, graph.tensors, facts)))
     for primitive, sources in missing.items():
         where = "; ".join(sorted(set(sources))[:3]) + (" ..." if len(set(sources)) > 3 else "")
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
@@ -253,8 +254,7 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     choices: list[list[Strategy]] = []
     roots: list[int] = []
     derived: dict[tuple, list[Strategy]] = {}
-    state_shapes = {tuple(sorted(graph.tensors[graph.inputs[i]].shape))
-                    for i in graph.state_pairs.values()}
+    gradients = weight_gradients(graph)
     for u, unit in enumerate(units):
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
@@ -278,19 +278,11 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
             node_of.append(len(roots))
             roots.append(u)
             options = enumerate_strategies(unit.rule, mesh,
-                                           scatter=_weight_gradient(unit, graph, state_shapes))
+                                           scatter=bool(set(unit.outputs) & gradients))
             if extend is not None and u in extend.assignments:
                 options = extend.filter(options, extend.assignments[u]) or options[:1]
             choices.append(options)
     return node_of, choices, roots
-
-
-def _weight_gradient(unit: Unit, graph: OpGraph, state_shapes: set) -> bool:
-    """A backward product of a parameter's shape (maybe transposed): a weight gradient, the
-    one operator whose partial sums are worth reduce-scattering (into a sharded optimizer
-    state). Offering the variant to every product would widen the search for little."""
-    return (unit.op is not None and unit.op.backward and len(unit.outputs) == 1
-            and tuple(sorted(graph.tensors[unit.outputs[0]].shape)) in state_shapes)
 
 
 def pinned_strategy(rule: Rule, mesh: MeshShape, spec: Spec) -> Strategy:
@@ -350,14 +342,14 @@ def _unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
     strategy, and units of a repeated layer share their strategy list.
     """
     op = unit.op
-    if "fused" not in memo:  # once per build: an equal graph from another trace hashes alike
-        memo["fused"] = fused_values(graph)  # but compares op by op in the cache
+    if "facts" not in memo:  # once per build: an equal graph from another trace hashes alike
+        memo["facts"] = value_facts(graph)  # but compares op by op in the cache
     key = (unit.cost_key, id(strategies))
     if key not in memo:
         known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
         for s in strategies:  # strategies are shared objects, alive for the whole build
             if id(s) not in known:
-                compute, comm = op_time(op, s, graph.tensors, mesh, hw, memo["fused"])
+                compute, comm = op_time(op, s, graph.tensors, mesh, hw, memo["facts"])
                 known[id(s)] = compute + comm
         # The entry keeps the list alive, so that its id stays unique.
         memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))

@@ -71,6 +71,28 @@ def rounds_within(problem: Problem, mesh: MeshShape) -> search.Solution:
     return search.Solution(choice_array, graph.total_cost(choice_array), stats)
 
 
+def merged_within(problem: Problem, mesh: MeshShape) -> search.Solution:
+    """The mesh's axes taken as one, inside a whole-mesh problem: each node keeps the
+    strategies that place every axis (of more than one device) on one factor, or none; a node
+    left with none keeps all. Where the axis recursion's first round, over one small axis,
+    finds a split worth less than the latencies it adds, it replicates, and later rounds keep
+    that: a small GPT on 2x2x2 stayed replicated, twice as slow as data parallel over all
+    eight devices, which this restriction finds."""
+    axes = sorted(n for n, size in zip(mesh.names, mesh.sizes) if size > 1)
+    keep = []
+    for r in problem.roots:
+        mask = np.array([not s.assignment or (
+            sum(1 for _, a in s.assignment if a) == 1
+            and sorted(a for _, used in s.assignment for a in used) == axes)
+            for s in problem.choices[r]])
+        keep.append(mask if mask.any() else np.ones(len(mask), dtype=bool))
+    answer, _ = solve_round(problem.graph.restricted(keep))
+    choice = np.array([int(np.flatnonzero(k)[c]) for k, c in zip(keep, answer.choice)],
+                      dtype=np.int64)
+    stats = {"nodes": problem.graph.num_nodes(), "edges": problem.graph.num_edges()}
+    return search.Solution(choice, problem.graph.total_cost(choice), stats)
+
+
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                     pinned: dict[int, Spec] | None, units: list[Unit] | None = None,
                     memory_weight: float = 0.0, problems: dict | None = None

@@ -1,15 +1,19 @@
 """Tracing: a step function and its arguments become an OpGraph.
 
 The whole step goes through `jax.make_jaxpr`, so the backward pass and the optimizer update are
-in the graph. Calls (`jit`, `closed_call`, custom derivatives, `remat`) are inlined. A `scan` is
+in the graph. Calls (`jit`, `closed_call`, custom derivatives, `remat2`) are inlined; the steps of
+a differentiated `remat2` (the backward pass of jax.checkpoint) are marked as its recomputation
+(Step.remat), which the lowering keeps apart from the forward pass. A `scan` is
 kept whole for execution, and its body is inlined once into the planning view with its costs
 scaled by the trip count, so the body's operators are planned like any other and the loop carry is
 tied to one sharding across iterations.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -21,10 +25,16 @@ from jax.extend.core import Literal
 from autopar.ir import Op, OpGraph, Step, Tensor
 
 # Primitives whose body is inlined: they only group equations, they do not change semantics.
+# JAX 0.10 emits jit, closed_call, call, the custom derivatives' calls (jax.nn.relu, gelu and
+# optax's losses are custom_jvp), custom_vmap_call, linear_call, remat_opt (custom_vjp with
+# optimize_remat) and remat2 (jax.checkpoint, nn.remat, nnx.remat); named_call and named_scope
+# are only name stack. pjit, core_call, custom_vjp_call_jaxpr, checkpoint and remat are the
+# names older JAX gave these.
 CALL_PRIMITIVES = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "call": "call_jaxpr",
+    "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_vmap_call": "call", "linear_call": "callee",
+    "remat_opt": "fwd_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
 }
 
 
@@ -63,17 +73,29 @@ def _dtype_name(dtype: Any) -> str:  # str() of a numpy dtype is slow, and asked
     return str(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: Any) -> int | None:
+    """Bytes per element of a dtype numpy does not know, None for the others: a PRNG key
+    array's element is its implementation's key data (threefry: 2 x uint32)."""
+    if isinstance(dtype, str) or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+    return math.prod(data.shape) * data.dtype.itemsize
+
+
 @dataclass
 class _Builder:
     tensors: list[Tensor] = field(default_factory=list)
     ops: list[dict] = field(default_factory=list)
     program: list[Step] = field(default_factory=list)
     const_values: dict[int, Any] = field(default_factory=dict)
+    recomputations: int = 0  # differentiated remat2 bodies seen (see Step.remat)
 
     def tensor(self, aval: Any, path: str | None = None, const: bool = False) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        dtype = _dtype_name(getattr(aval, "dtype", "token"))
-        self.tensors.append(Tensor(len(self.tensors), shape, dtype, path, const))
+        dtype = getattr(aval, "dtype", "token")
+        self.tensors.append(Tensor(len(self.tensors), shape, _dtype_name(dtype), path, const,
+                                   _itemsize(dtype)))
         return len(self.tensors) - 1
 
     def constant(self, value: Any, aval: Any) -> int:
@@ -96,11 +118,11 @@ class _Builder:
 
     # -- the walk ------------------------------------------------------------------------------
     def walk(self, jaxpr: Any, consts: Sequence[int], args: Sequence[int], repeat: int,
-             execute: bool, names: Any = None) -> list[int]:
+             execute: bool, names: Any = None, remat: tuple[int, ...] = ()) -> list[int]:
         """Add jaxpr's equations; returns the tensor ids of its outputs.
 
         `names` is the name stack of the enclosing call: an inlined equation's own name stack
-        is relative to it.
+        is relative to it. `remat`: the recomputations (see Step.remat) the jaxpr is inside.
         """
         env: dict[Any, int] = {}
         for var, tid in zip(jaxpr.constvars, consts):
@@ -125,7 +147,18 @@ class _Builder:
                 inner_jaxpr, inner_consts = _open(inner)
                 const_ids = [self.constant(c, getattr(c, "aval", None) or jax.typeof(c))
                              for c in inner_consts]
-                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, execute, eqn_names)
+                inside = remat
+                if eqn.params.get("differentiated") and np.any(eqn.params.get("prevent_cse")):
+                    # The backward pass of a checkpointed function: it recomputes the forward
+                    # values it needs, which the lowering keeps apart from the forward pass.
+                    inside = (*remat, self.recomputations)
+                    self.recomputations += 1
+                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, execute, eqn_names,
+                                 inside)
+            elif name == "name":
+                # checkpoint_name: it marks a value for a checkpoint policy, which JAX's partial
+                # evaluation has applied by now (the saved values are the remat's operands).
+                outs = inputs
             elif name == "scan":
                 outs = self.scan(eqn, inputs, source, repeat, execute, eqn_names)
             else:
@@ -140,7 +173,7 @@ class _Builder:
                     requires = tuple(None if self.is_const(t) else (op, i)
                                      for i, t in enumerate(inputs))
                 if execute:
-                    self.program.append(Step(eqn, tuple(inputs), tuple(outs), requires))
+                    self.program.append(Step(eqn, tuple(inputs), tuple(outs), requires, remat))
             for var, tid in zip(eqn.outvars, outs):
                 env[var] = tid
         return [read(v) for v in jaxpr.outvars]
@@ -148,7 +181,7 @@ class _Builder:
     def _mark_const(self, ids: Sequence[int]) -> None:
         for t in ids:
             old = self.tensors[t]
-            self.tensors[t] = Tensor(old.id, old.shape, old.dtype, old.path, True)
+            self.tensors[t] = dataclasses.replace(old, const=True)
 
     def scan(self, eqn: Any, inputs: list[int], source: str, repeat: int,
              execute: bool, names: Any) -> list[int]:
@@ -201,8 +234,9 @@ def _open(closed_or_open: Any) -> tuple[Any, list]:
     return closed_or_open, []
 
 
-def trace(fn: Callable, args: Sequence[Any]) -> tuple[OpGraph, Any, Any]:
-    """Trace `fn(*args)` into an OpGraph.
+def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset()
+          ) -> tuple[OpGraph, Any, Any]:
+    """Trace `fn(*args)` into an OpGraph; `donated`: the flat input indices the caller donates.
 
     Returns the graph, the treedef of the arguments and the output shapes (a pytree of
     ShapeDtypeStruct).
@@ -225,20 +259,21 @@ def trace(fn: Callable, args: Sequence[Any]) -> tuple[OpGraph, Any, Any]:
         if tid in seen or t.path is not None or t.const:
             # eqn None: the lowering copies the value through.
             new = len(b.tensors)
-            b.tensors.append(Tensor(new, t.shape, t.dtype, path, t.const))
+            b.tensors.append(dataclasses.replace(t, id=new, path=path))
             requires: tuple = (None,)
             if not t.const:
                 requires = ((b.add_op("copy_p", (tid,), (new,), {}, "output", 1), 0),)
             b.program.append(Step(None, (tid,), (new,), requires))
             tid = new
         else:
-            b.tensors[tid] = Tensor(t.id, t.shape, t.dtype, path, t.const)
+            b.tensors[tid] = dataclasses.replace(t, path=path)
         seen.add(tid)
         final_outs.append(tid)
 
     ops = tuple(Op(i, **o) for i, o in enumerate(b.ops))
     graph = OpGraph(tuple(b.tensors), ops, tuple(b.program), tuple(inputs), tuple(final_outs),
-                    b.const_values, state_pairs(args, out_shape, len(inputs)))
+                    b.const_values, state_pairs(args, out_shape, len(inputs)),
+                    frozenset(donated))
     return graph, jax.tree_util.tree_structure(tuple(args)), out_shape
 
 

@@ -17,7 +17,7 @@ from autopar.cost.model import group_size, partial_split, reshard_sequence, shar
 from autopar.ir import OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.rules.table import FUSED, FUSING_READERS
+from autopar.rules.table import FUSED
 
 # Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
 # backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
@@ -83,7 +83,7 @@ def copied_before_update(graph: OpGraph, aliased: set[int], groups: list[list[in
     reach = [functools.reduce(lambda a, m: a | before[m], g, 0) | members[k]
              for k, g in enumerate(groups)]
     out = []
-    for o, i in graph.state_pairs.items():
+    for o, i in graph.donated_pairs.items():
         t, new = graph.inputs[i], graph.outputs[o]
         update = producer_step.get(new)
         if new not in aliased or update is None or t == new:

@@ -111,7 +111,8 @@ def run(model_names: list[str], mesh_names: list[str], repeats: int = 3,
         # Host copies: every plan's run gets fresh device arrays (its state is donated).
         flat = [np.asarray(x) for x in jax.tree_util.tree_leaves((state, batch))]
         t0 = time.perf_counter()
-        graph, in_tree, out_shape = trace(step, (state, batch))
+        donated = frozenset(range(len(jax.tree_util.tree_leaves(state))))
+        graph, in_tree, out_shape = trace(step, (state, batch), donated)
         trace_s = time.perf_counter() - t0
         out_tree = jax.tree_util.tree_structure(out_shape)
         inputs = [(graph.tensors[t].path, graph.tensors[t].shape) for t in graph.inputs]

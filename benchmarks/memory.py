@@ -47,14 +47,14 @@ def run(cases: dict[str, Callable[[], tuple]], mesh_axes: dict[str, int],
     rows = []
     for name, setup in cases.items():
         step, state, batch = setup()
-        free = autopar.plan(step, state, batch, mesh=mesh, hardware=hardware,
+        free = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, hardware=hardware,
                             memory_limit="1TiB")
         for fraction in fractions:
             limit = int(fraction * free.cost["peak_memory_bytes"])
             row: dict[str, Any] = {"model": name, "mesh": "x".join(map(str, mesh_axes.values())),
                                    "fraction": fraction, "limit_bytes": limit}
             t0 = time.perf_counter()
-            sharded = autopar.auto_parallel(step, mesh=mesh, hardware=hardware,
+            sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=hardware,
                                             memory_limit=limit)
             try:
                 plan = sharded.plan(state, batch)

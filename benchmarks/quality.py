@@ -160,7 +160,7 @@ def _mesh_rows(name: str, case: Case, step: Callable, args: tuple, mesh_name: st
     for profile in profiles:
         for search in searches:
             t0 = time.perf_counter()
-            ours = autopar.auto_parallel(step, mesh=mesh, hardware=profile, search=search)
+            ours = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=profile, search=search)
             plan = ours.plan(*args)
             plan_s = time.perf_counter() - t0
             compiled, compile_s, same = compiler(ours.lower(*args), f"{search}@{profile}")
@@ -200,7 +200,7 @@ def _memory_matched(name: str, step: Callable, args: tuple, mesh_name: str, mesh
     row.update(expert=best["plan"], expert_ms=best["step_ms"], limit_bytes=limit)
     t0 = time.perf_counter()
     try:
-        ours = autopar.auto_parallel(step, mesh=mesh, hardware=profile, memory_limit=limit)
+        ours = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=profile, memory_limit=limit)
         ours.plan(*args)
         row["plan_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -28,7 +28,9 @@ def main() -> None:
     mesh = autopar.make_mesh(axes)
     step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
                                           layers=2)
-    train_step = autopar.auto_parallel(step, mesh=mesh, search="dynamic_programming")
+    # donate_argnums=0: each step's new state reuses the memory of the state passed in
+    train_step = autopar.auto_parallel(step, mesh=mesh, search="dynamic_programming",
+                                       donate_argnums=0)
 
     t0 = time.perf_counter()
     plan = train_step.plan(state, batch)

@@ -234,3 +234,27 @@ def test_shard_inside_a_scan_body():
     np.testing.assert_allclose(got[0], reference[0], rtol=1e-5, atol=1e-6)
     marks = [o for o in sharded.plan(w, x).ops if o.primitive == "autopar_shard"]
     assert marks and all(o.out_specs == ((("data",), ("model",)),) for o in marks)
+
+
+def test_propagation_plans_compile_without_xla_warnings(capfd):
+    """Reshardings XLA's partitioner has no pattern for make it gather a whole tensor and log
+    "Involuntary full rematerialization". The cost model prices them as such, so the plans
+    avoid them: the propagation GPT's programs (batch annotated, and Megatron) compile
+    silently. The same partitioner given such a resharding by hand does log it, which shows
+    the check can see the warning."""
+    from jax.sharding import NamedSharding
+
+    step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
+                                          layers=2)
+    mesh = autopar.make_mesh({"data": 4, "model": 2})
+    for annotations in ({r"^batch/": P("data")}, MEGATRON):
+        autopar.auto_parallel(step, mesh=mesh, search="sharding_propagation",
+                              annotations=annotations).lower(state, batch).compile()
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+    def unpatterned(x):  # an axis moves to another dimension while another leaves it
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(("data", "model"))))
+        return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "data")))
+
+    jax.jit(unpatterned).lower(jax.ShapeDtypeStruct((16, 64), jnp.float32)).compile()
+    assert "Involuntary full rematerialization" in capfd.readouterr().err

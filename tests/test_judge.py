@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
 from autopar.cost.hardware import Hardware, LinkLevel, axis_links, group_link
-from autopar.hlo import collectives, device_groups
+from autopar.hlo import collectives, compiled_memory_bytes, device_groups
 from autopar.mesh import MeshShape
 
 # Two levels: the 4 devices of a "node" on fast links, the network between nodes 100x slower.
@@ -135,3 +135,59 @@ def test_per_axis_links_change_the_plan_and_the_judge_agrees():
     assert on_data["flat"] > 20 * judged["flat"].compute_s  # the hand calculation's premise
     assert on_data["levels"] == 0.0
     assert judged["levels"].step_s < judged["flat"].step_s
+
+
+def test_gradient_all_reduces_pay_one_latency_as_xla_combines_them():
+    """XLA's all-reduce combiner merges a data-parallel step's gradient all-reduces into one
+    collective: the judge sees one all-reduce, and the cost model charges the gradients one
+    latency between them. Charged one latency each, the 35 gradients of this GPT cost more than
+    replicating the whole step, and the search replicated it (judged twice as slow as plain
+    data parallel on h100)."""
+    from autopar.cost.model import value_facts
+    from autopar.trace import trace
+
+    step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
+                                          layers=2)
+    graph = trace(step, (state, batch))[0]
+    facts = value_facts(graph)
+    params = len(jax.tree_util.tree_leaves(state[0]))
+    # one per parameter, two for the embedding, which the output layer shares, and the loss
+    assert len(facts.combined) == params + 2
+    mesh = autopar.make_mesh({"data": 8})
+    sharded = autopar.auto_parallel(step, mesh=mesh, hardware="h100")
+    plan = sharded.plan(state, batch)
+    assert all(spec[0] == "data" for spec in jax.tree_util.tree_leaves(
+        plan.input_specs[1], is_leaf=lambda x: isinstance(x, P)))  # the batch is split
+    ours = autopar.evaluate(sharded.lower(state, batch).compile(), mesh, "h100")
+    reductions = [c for c in ours.collectives if c.kind == "all-reduce"]
+    assert len(reductions) == 1 and reductions[0].executions == 1
+    h100 = autopar.PROFILES["h100"]
+    # the plan's estimate carries about one latency, not one per gradient
+    assert plan.cost["communication_s"] < 3 * h100.link_latency
+    replicated = jax.jit(step).lower(state, batch).compile()  # one device's program
+    assert ours.step_s < autopar.evaluate(replicated, autopar.make_mesh({"data": 1}),
+                                          "h100").step_s
+
+
+def test_at_a_data_parallel_experts_memory_autopar_is_no_slower():
+    """memory_limit set to what plain data-parallel jax.jit compiles to: autopar's estimate of
+    its own unconstrained plan (the same program) reads a few percent over that, and the
+    budget used to pick a leaner plan, 2.6x slower. XLA's own figure now decides near the
+    limit: the plan compiles within it and is judged no slower than the expert."""
+    from jax.sharding import PartitionSpec as P
+
+    step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
+                                          layers=2)
+    mesh = autopar.make_mesh({"data": 8})
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    expert = jax.jit(step, in_shardings=(replicated, split), out_shardings=(replicated, None),
+                     donate_argnums=0).lower(state, batch).compile()
+    limit = compiled_memory_bytes(expert)
+    sharded = autopar.auto_parallel(step, mesh=mesh, hardware="h100", memory_limit=limit,
+                                    donate_argnums=0)
+    plan = sharded.plan(state, batch)
+    ours = sharded.lower(state, batch).compile()
+    assert compiled_memory_bytes(ours) <= limit
+    judged = autopar.evaluate(ours, mesh, "h100").step_s
+    assert judged <= autopar.evaluate(expert, mesh, "h100").step_s * (1 + 1e-3)
+    assert plan.memory["compiled_bytes"] <= limit

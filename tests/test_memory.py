@@ -2,6 +2,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,13 +19,19 @@ from autopar.trace import trace
 from helpers import check_against_single_device, copy_tree, global_relative_error
 
 
+def state_leaves(state) -> frozenset[int]:
+    """The flat input indices of the state: what a train step donates (donate_argnums=0)."""
+    return frozenset(range(len(jax.tree_util.tree_leaves(state))))
+
+
 def compiled_bytes(step, state, batch) -> int:
     return compiled_memory_bytes(step.lower(state, batch).compile())
 
 
 def estimate_over_compiled(step, state, batch, mesh, search, annotations) -> float:
     """The plan's estimated peak memory over the compiled step's."""
-    sharded = autopar.auto_parallel(step, mesh=mesh, search=search, annotations=annotations)
+    sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, search=search,
+                                    annotations=annotations)
     plan = sharded.plan(state, batch)
     return plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
 
@@ -42,10 +49,13 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
-@pytest.mark.parametrize("axes", [{"data": 2, "model": 4}, {"data": 8}])
-def test_estimate_matches_compiled_memory(axes):
+@pytest.mark.parametrize("axes,donate", [({"data": 2, "model": 4}, 0), ({"data": 8}, 0),
+                                         ({"data": 8}, ())])
+def test_estimate_matches_compiled_memory(axes, donate):
+    """With the state donated (as train steps do) and without: then XLA holds the old state
+    and the new one, and so does the estimate."""
     step, state, batch = mlp()
-    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(axes))
+    sharded = autopar.auto_parallel(step, donate_argnums=donate, mesh=autopar.make_mesh(axes))
     plan = sharded.plan(state, batch)
     ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
     assert 0.85 <= ratio <= 1.15, ratio
@@ -154,11 +164,12 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     step, state, batch = mlp()
     axes = {"data": 8}
     graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
-                                       get_profile(None), "dynamic_programming")
+                                       get_profile(None), "dynamic_programming",
+                                       donated=state_leaves(state))
     aliased = updated_in_place(graph, decisions.tensor_specs(graph))
     groups = all_reduce_groups(graph, all_reduce_steps(graph, decisions, mesh_shape(axes)))
     predicted = {graph.inputs.index(t) for t in copied_before_update(graph, aliased, groups)}
-    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(axes), plan=plan)
+    sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=autopar.make_mesh(axes), plan=plan)
     text = sharded.lower(state, batch).compile().as_text()
     entry = text[text.index("ENTRY"):]
     argument = dict(re.findall(r"(%param[.\d]*) = \S+ parameter\((\d+)\)", entry))
@@ -171,7 +182,7 @@ def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
     own: without them the ResNet's estimate was 0.78 of the compiled memory."""
     import architectures
     step, state, batch = architectures.resnet_setup(batch=16, size=16, channels=(32, 64))
-    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}))
+    sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=autopar.make_mesh({"data": 8}))
     plan = sharded.plan(state, batch)
     ratio = plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
     assert 0.85 <= ratio <= 1.15, ratio
@@ -219,9 +230,10 @@ def test_resharding_buffers_follow_the_collectives(reader):
 
 
 def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch):
-    """The memory benchmark's GPT at 0.1 of its unconstrained peak: a plan whose estimate is
-    near the limit is compiled, and where XLA needs more than the limit the step is planned
-    again for a smaller estimate until it fits once compiled, and trains as on one device.
+    """The memory benchmark's GPT at half its unconstrained (data-parallel) peak: a plan whose
+    estimate is near the limit is compiled, and where XLA needs more than the limit the step
+    is planned again for a smaller estimate until it fits once compiled, and trains as on one
+    device.
     Allowed no second plan, it says why not. The estimate reads over XLA's figure on this
     model now (under it before: the first plan compiled over the limit), so XLA's figure is
     reported a fifth higher than it is."""
@@ -231,16 +243,17 @@ def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch
     monkeypatch.setattr(api, "compiled_memory_bytes", lambda c: int(1.2 * compiled_bytes(c)))
     step, state, batch = CASES["gpt"]()
     mesh = autopar.make_mesh({"data": 8})
-    free = autopar.plan(step, state, batch, mesh=mesh, hardware=SLOW_LINKS, memory_limit="1TiB")
-    limit = int(0.1 * free.cost["peak_memory_bytes"])
-    plan = check_against_single_device(step, state, batch, mesh, hardware=SLOW_LINKS,
-                                       memory_limit=limit)
+    free = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,
+                        memory_limit="1TiB")
+    limit = int(0.5 * free.cost["peak_memory_bytes"])
+    plan = check_against_single_device(step, state, batch, mesh, donate_argnums=0,
+                                       hardware=SLOW_LINKS, memory_limit=limit)
     assert plan.search_stats["compile_checks"] >= 2
     assert plan.cost["peak_memory_bytes"] <= limit and plan.memory["compiled_bytes"] <= limit
     assert "compiled by XLA" in plan.summary()
     monkeypatch.setattr(api, "COMPILE_CHECKS", 0)
     with pytest.raises(autopar.AutoparError, match="compiles to .* over memory_limit"):
-        autopar.auto_parallel(step, mesh=mesh, hardware=SLOW_LINKS,
+        autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,
                               memory_limit=limit).plan(state, batch)
 
 
@@ -249,15 +262,15 @@ def test_state_four_times_the_budget_fits_and_trains():
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
     limit = state_bytes // 4
     mesh = autopar.make_mesh({"data": 8})
-    free = autopar.plan(step, state, batch, mesh=mesh, hardware=SLOW_LINKS,
+    free = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,
                         memory_limit=10 * state_bytes)
     assert free.cost["peak_memory_bytes"] > limit, "the test needs a budget that binds"
-    plan = check_against_single_device(step, state, batch, mesh, hardware=SLOW_LINKS,
+    plan = check_against_single_device(step, state, batch, mesh, donate_argnums=0, hardware=SLOW_LINKS,
                                        memory_limit=limit)
     assert plan.cost["peak_memory_bytes"] <= limit
     assert plan.memory["limit_bytes"] == limit and plan.search_stats["memory_solves"] > 1
     assert plan.search_stats["memory_search_s"] > plan.search_stats["search_s"]
-    sharded = autopar.auto_parallel(step, mesh=mesh, hardware=SLOW_LINKS, memory_limit=limit)
+    sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS, memory_limit=limit)
     assert compiled_bytes(sharded, state, batch) <= limit
     # the search sharded the optimizer state along the data axis (ZeRO)
     opt = [t for t in plan.inputs if "/mu/" in t.path and "kernel" in t.path]
@@ -271,7 +284,8 @@ def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone(monkeypatch):
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
     shape, limit = mesh_shape({"data": 8}), state_bytes // 4
     graph, decisions, plan = plan_step(step, (state, batch), shape, SLOW_LINKS,
-                                       "dynamic_programming", memory_limit=limit)
+                                       "dynamic_programming", memory_limit=limit,
+                                       donated=state_leaves(state))
     stats = plan.search_stats
     assert stats["exact"] and stats["gap"] == 0 and plan.cost["peak_memory_bytes"] <= limit
     assert stats["parts"] > 1, "the budget should need branching beyond the prices' hull"
@@ -279,7 +293,7 @@ def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone(monkeypatch):
     assert stats["kept_bytes"] == kept_bytes(graph, decisions, shape) <= stats["kept_budget_bytes"]
     monkeypatch.setattr(budget, "_proven", lambda *args: None)
     priced = plan_step(step, (state, batch), shape, SLOW_LINKS, "dynamic_programming",
-                       memory_limit=limit)[2]
+                       memory_limit=limit, donated=state_leaves(state))[2]
     assert not priced.search_stats["exact"]
     assert plan.cost["total_s"] <= priced.cost["total_s"] * (1 + 1e-12)
 
@@ -287,16 +301,16 @@ def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone(monkeypatch):
 def test_generous_budget_gives_the_unconstrained_optimum():
     step, state, batch = mlp()
     mesh = {"data": 2, "model": 4}
-    free = autopar.plan(step, state, batch, mesh=mesh, memory_limit="1TiB")
+    free = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, memory_limit="1TiB")
     assert "memory_price_s_per_byte" not in free.search_stats
-    default = autopar.plan(step, state, batch, mesh=mesh)  # the profile's 4 GiB: fits too
+    default = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh)  # the profile's 4 GiB: fits too
     assert free.specs == default.specs and free.cost["total_s"] == default.cost["total_s"]
 
 
 def test_impossible_budget_names_the_least_memory_and_its_consumers():
     step, state, batch = mlp()
     with pytest.raises(autopar.AutoparError) as err:
-        autopar.plan(step, state, batch, mesh={"data": 8}, memory_limit="64KiB")
+        autopar.plan(step, state, batch, donate_argnums=0, mesh={"data": 8}, memory_limit="64KiB")
     text = str(err.value)
     assert "no plan fits memory_limit=0.06 MiB" in text and "{'data': 8}" in text
     assert "needs" in text and "Largest buffers" in text and "state/" in text
@@ -318,16 +332,17 @@ def test_recompute_when_sharding_is_not_enough():
     decisions, stats = solve(graph, shape, SLOW_LINKS, "dynamic_programming", None, 1.0)
     leanest = assemble(graph, decisions, shape, SLOW_LINKS, "dp", stats)
     limit = int(0.6 * leanest.cost["peak_memory_bytes"])
-    plan = check_against_single_device(step, state, batch, mesh, steps=2, hardware=SLOW_LINKS,
+    plan = check_against_single_device(step, state, batch, mesh, steps=2, donate_argnums=0,
+                                       hardware=SLOW_LINKS,
                                        memory_limit=limit)
     assert plan.recompute and plan.cost["recompute_s"] > 0
     assert all(layer.startswith("GPT/") for layer in plan.recompute)
     assert plan.cost["peak_memory_bytes"] <= limit
     assert plan.memory.get("compiled_bytes", 0) <= limit
     # the estimate against XLA for the plan made for this limit, before any compiled check
-    first = autopar.plan(step, state, batch, mesh=mesh, hardware=SLOW_LINKS, memory_limit=limit)
+    first = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS, memory_limit=limit)
     assert first.recompute
-    compiled = compiled_bytes(autopar.auto_parallel(step, mesh=mesh, plan=first), state, batch)
+    compiled = compiled_bytes(autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, plan=first), state, batch)
     assert compiled < leanest.cost["peak_memory_bytes"]
     assert 0.85 <= first.cost["peak_memory_bytes"] / compiled <= 1.15
 
@@ -335,14 +350,14 @@ def test_recompute_when_sharding_is_not_enough():
 def test_recomputed_layers_lower_compiled_memory_and_keep_numerics():
     step, state, batch = gpt()
     mesh = autopar.make_mesh({"data": 8})
-    full = autopar.plan(step, state, batch, mesh=mesh, hardware=SLOW_LINKS,
+    full = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,
                         memory_limit="1TiB")
     layers = ("GPT/block_0", "GPT/block_1")
     saved = json.loads(full.to_json())
     saved["recompute"] = list(layers)
     again = autopar.Plan.from_json(json.dumps(saved))
-    plain = autopar.auto_parallel(step, mesh=mesh, plan=full)
-    remat = autopar.auto_parallel(step, mesh=mesh, plan=again)
+    plain = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, plan=full)
+    remat = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, plan=again)
     assert remat.plan(state, batch).recompute == layers
     assert remat.plan(state, batch).cost["recompute_s"] > 0
     before, after = compiled_bytes(plain, state, batch), compiled_bytes(remat, state, batch)
@@ -359,7 +374,7 @@ def test_recomputed_layers_lower_compiled_memory_and_keep_numerics():
 
 def test_plan_json_keeps_memory_and_recompute():
     step, state, batch = mlp()
-    plan = autopar.plan(step, state, batch, mesh={"data": 8}, memory_limit="1GiB")
+    plan = autopar.plan(step, state, batch, donate_argnums=0, mesh={"data": 8}, memory_limit="1GiB")
     again = autopar.Plan.from_json(plan.to_json())
     assert again.memory == plan.memory and again.memory["limit_bytes"] == 2**30
     assert "memory at its peak of 1024.0 MiB allowed" in plan.summary()
@@ -378,3 +393,14 @@ def test_problems_kept_across_prices_search_as_fresh_ones(backend):
         fresh, _ = solve(graph, shape, SLOW_LINKS, backend, None, price)
         assert reused.ops == fresh.ops and reused.inputs == fresh.inputs
     assert kept  # the problems were kept, not built again
+
+
+@pytest.mark.parametrize("anchor", [np.inf, -np.inf, np.nan, 3.0])
+def test_recompute_ordering_adds_an_exact_zero_whatever_the_anchor(anchor):
+    """The recomputation waits for a backward value through arithmetic that is zero for every
+    float: an infinite (or NaN) anchor leaves the value unchanged, compiled as XLA runs it."""
+    from autopar.lower import _after
+
+    value = jnp.arange(4.0)
+    got = jax.jit(_after)(value, jnp.array([anchor, 1.0], jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.arange(4.0))

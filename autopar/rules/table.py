@@ -24,9 +24,15 @@ ELEMENTWISE = {
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
     "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out", "autopar_shard",
 }
+# Elementwise too, but not fused: random numbers, one key (a key array's element) or one
+# counter at a time. Seeding, folding data into keys, copying them, and the hash itself on
+# uint32 words (a loop of rounds on CPU: XLA does not fuse it into its readers).
+RANDOM_ELEMENTWISE = {"random_seed", "random_fold_in", "random_clone", "threefry2x32",
+                      "threefry4x32"}
 # Operators XLA fuses into their reader (on every platform: loop fusion of elementwise chains).
 FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p"}
+                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p",
+                       "split", "bitcast_convert_type"}
 # Readers that take fused producers in: loop fusions and reductions' input fusions.
 FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
                           "argmin", "reduce_and", "reduce_or"}
@@ -347,8 +353,45 @@ def rev(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 
 def iota(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Values made from their indices (iota, and iota_2x32_shape's two words of a counter):
+    every result dimension splits freely, each device making its own block."""
     fs = _Factors()
-    return fs.rule([() for _ in ins], [fs.dims(outs[0])])
+    result = fs.dims(outs[0])
+    return fs.rule([() for _ in ins], [result] * len(outs))
+
+
+def random_bits(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Bits of `shape` S from keys of shape K: a result of shape K + S. They split like an
+    elementwise result over their shape, the K dimensions with the keys they come from.
+
+    With `jax_threefry_partitionable` (on by default in jax 0.10) each bit is the hash of its
+    own index, so each device computes just its block; XLA's partitioner keeps the values of
+    one device whatever the sharding (without the flag it may compute all bits on every device
+    and slice, which is slower, not different)."""
+    fs = _Factors()
+    result = fs.dims(outs[0])
+    return fs.rule([result[:len(ins[0])]], [result])
+
+
+def leading_shared(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Operand and result share their leading dimensions; the trailing dimensions only the
+    longer one has stay whole. random_wrap and random_unwrap (a key's data is a trailing dim of
+    uint32 words), random_split (the new keys: a few bytes each, not worth splitting), and
+    bitcast_convert_type between bit widths (the narrower type's words of one element)."""
+    fs = _Factors()
+    rank = min(len(ins[0]), len(outs[0]))
+    lead = fs.dims(outs[0][:rank])
+    return fs.rule([lead + (None,) * (len(ins[0]) - rank)],
+                   [lead + (None,) * (len(outs[0]) - rank)])
+
+
+def split(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """`jnp.split`: the pieces take the operand's factors except along the split axis, which
+    stays whole (a block of the operand is not a block of each piece)."""
+    fs = _Factors()
+    axis = params["axis"] % len(ins[0])
+    dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(ins[0])))
+    return fs.rule([dims], [dims] * len(outs))
 
 
 def window(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
@@ -402,7 +445,7 @@ def cond(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 
 RULES: dict[str, RuleFn] = {
-    **{name: elementwise for name in ELEMENTWISE},
+    **{name: elementwise for name in ELEMENTWISE | RANDOM_ELEMENTWISE},
     **{name: reduction for name in REDUCTIONS},
     **{name: along_axis_whole for name in CUMULATIVE},
     "argmax": argminmax, "argmin": argminmax, "sort": along_axis_whole, "top_k": along_axis_whole,
@@ -414,9 +457,12 @@ RULES: dict[str, RuleFn] = {
     # Other combiners: the same factors except the reduction one (partial results of a
     # product, min, max or difference are not summed).
     "scatter-mul": scatter, "scatter-min": scatter, "scatter-max": scatter, "scatter-sub": scatter,
-    "iota": iota, "rev": rev, "reduce_window_sum": window, "reduce_window_max": window,
+    "iota": iota, "iota_2x32_shape": iota, "rev": rev, "reduce_window_sum": window, "reduce_window_max": window,
     "reduce_window_min": window, "reduce_window": window, "select_and_scatter_add": window,
     "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop, "cond": cond,
+    "split": split, "bitcast_convert_type": leading_shared, "random_bits": random_bits,
+    "random_wrap": leading_shared, "random_unwrap": leading_shared,
+    "random_split": leading_shared,
 }
 
 

@@ -1,0 +1,214 @@
+"""A step's calling conventions, read as jax.jit reads them: which arguments are static
+(baked into the trace, part of the cache key) and which donated, keyword arguments traced like
+positional ones, and a clear error for an argument JAX cannot trace."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from autopar.errors import AutoparError, collect_errors
+from autopar.trace import argument_names, path_to_str
+
+
+@dataclasses.dataclass(frozen=True)
+class Conventions:
+    """Which arguments of a step are static and which donated, read as jax.jit reads
+    static_argnums/static_argnames and donate_argnums/donate_argnames: a parameter numbered in
+    one is also named in the other (and the reverse), so that an argument counts however it
+    is passed. Negative numbers count from the end of a call's positional arguments."""
+
+    static_nums: frozenset[int] = frozenset()
+    static_names: frozenset[str] = frozenset()
+    donate_nums: frozenset[int] = frozenset()
+    donate_names: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, fn: Callable, static_argnums: Any = (), static_argnames: Any = (),
+           donate_argnums: Any = (), donate_argnames: Any = ()) -> Conventions:
+        static = _argnums(fn, "static", static_argnums, static_argnames)
+        donate = _argnums(fn, "donate", donate_argnums, donate_argnames)
+        both = sorted(static[0] & donate[0]) + sorted(static[1] & donate[1])
+        if both:
+            raise AutoparError(f"arguments {both} of {_name(fn)} are both static and donated; "
+                               "a static argument is a Python value with no buffer to donate. "
+                               "Fix: drop them from static_argnums/static_argnames or from "
+                               "donate_argnums/donate_argnames.")
+        return cls(*static, *donate)
+
+
+def _argnums(fn: Callable, option: str, argnums: Any, argnames: Any
+             ) -> tuple[frozenset[int], frozenset[str]]:
+    """One option pair (`static` or `donate`) as positions and names, each completed from the
+    other through fn's signature, as jax.jit does."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
+    if (not all(isinstance(i, int) and not isinstance(i, bool) for i in nums)
+            or not all(isinstance(n, str) for n in names)):
+        raise AutoparError(f"{option}_argnums={argnums!r} / {option}_argnames={argnames!r}: "
+                           "argnums are ints (positions) and argnames strings (parameter "
+                           f"names), as in jax.jit. Fix: e.g. {option}_argnums=1 or "
+                           f"{option}_argnames='train'.")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to complete them from
+        return frozenset(nums), frozenset(names)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = {p.name: i for i, p in enumerate(positional) if p.kind == p.POSITIONAL_OR_KEYWORD}
+    keywords.update({p.name: None for p in params if p.kind == p.KEYWORD_ONLY})
+    unknown = [n for n in names if n not in keywords]
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+        raise AutoparError(f"{option}_argnames names {unknown}, which {_name(fn)} does not take "
+                           f"by keyword (its parameters: {[p.name for p in params]}). Fix: name "
+                           f"its parameters, or use {option}_argnums for positions.")
+    nums += tuple(keywords[n] for n in names if keywords.get(n) is not None)
+    names += tuple(positional[i].name for i in nums if 0 <= i < len(positional)
+                   and positional[i].name in keywords)
+    return frozenset(nums), frozenset(names)
+
+
+class Call:
+    """One call's arguments split as jax.jit splits them: the static ones, baked into the
+    trace (hashable: they are part of the cache key), and the traced ones, positional then
+    keyword by name, with their flat leaves and the positions of the donated leaves. A traced
+    argument is named, for its paths, after its parameter (argN where it has none) or its
+    keyword."""
+
+    def __init__(self, fn: Callable, conventions: Conventions, args: tuple, kwargs: dict
+                 ) -> None:
+        n = len(args)
+        static_nums = {i + n if i < 0 else i for i in conventions.static_nums}
+        donate_nums = {i + n if i < 0 else i for i in conventions.donate_nums}
+        self.fn, self.positional = fn, n
+        self.static: list[tuple[int | str, Any]] = []
+        self.slots: list[int | str] = []  # where each traced argument goes: position or keyword
+        self.traced: list[Any] = []
+        donates = []
+        for where, value in [*enumerate(args), *sorted(kwargs.items())]:
+            if where in static_nums or where in conventions.static_names:
+                self.static.append((where, value))
+                continue
+            self.slots.append(where)
+            self.traced.append(value)
+            donates.append(where in donate_nums or where in conventions.donate_names)
+        self.leaves: list[Any] = []
+        self.trees = []
+        donated = []
+        for value, donate in zip(self.traced, donates):
+            leaves, tree = jax.tree_util.tree_flatten(value)
+            if donate:
+                donated += range(len(self.leaves), len(self.leaves) + len(leaves))
+            self.leaves += leaves
+            self.trees.append(tree)
+        self.donated = frozenset(donated)
+        self._check()
+
+    @functools.cached_property
+    def names(self) -> list[str]:
+        """The traced arguments' names (read from fn's signature only when needed)."""
+        positional = argument_names(self.fn, self.positional)
+        return [positional[w] if isinstance(w, int) else w for w in self.slots]
+
+    def _check(self) -> None:
+        """Static values must be hashable and traced leaves arrays or numbers, as jax.jit
+        needs; each problem named by argument, path and type, with the fix."""
+        problems = []
+        for where, value in self.static:
+            try:
+                hash(value)
+            except TypeError:
+                problems.append(f"static {_which(where)} is a {type(value).__name__}, which is "
+                                "not hashable; static values are part of the cache key, as in "
+                                "jax.jit. Fix: pass a hashable value (a tuple, a frozen "
+                                "dataclass), or trace it (drop it from static_argnums/names)")
+        if not all(map(_traceable, self.leaves)):
+            for where, name, value in zip(self.slots, self.names, self.traced):
+                for keys, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+                    if _traceable(leaf):
+                        continue
+                    path = "/".join(p for p in (name, path_to_str(keys)) if p)
+                    option = (f"static_argnums={where}" if isinstance(where, int) else
+                              f"static_argnames={where!r}")
+                    inside = (" (the whole argument becomes static, so it must be hashable), "
+                              "or take this value out of the pytree" if keys else "")
+                    problems.append(
+                        f"{_which(where, name)}, at path {path!r}, has type "
+                        f"{type(leaf).__name__} ({_short(leaf)}), which JAX cannot trace: "
+                        f"only arrays and numbers can be. Fix: auto_parallel(..., {option}) "
+                        f"bakes it into the trace, one plan per value, as jax.jit{inside}")
+        collect_errors(problems, f"{_name(self.fn)} got arguments autopar cannot take:")
+
+    def key(self) -> Any:
+        """The cache key: what a plan and its executable depend on."""
+        return (tuple((where, type(v), v) for where, v in self.static), tuple(self.slots),
+                tuple(self.trees), tuple((tuple(jax.numpy.shape(x)),
+                                          str(jax.numpy.result_type(x))) for x in self.leaves))
+
+    def abstract(self) -> list[Any]:
+        """The traced arguments as shapes and dtypes (weak types kept), for tracing: without
+        the shardings they arrive in, which on a mesh of Explicit axes would trace the step
+        under JAX's sharding-in-types rules rather than as the single-device step it is."""
+        def shape_of(x: Any) -> jax.ShapeDtypeStruct:
+            aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+        return [jax.tree_util.tree_map(shape_of, value) for value in self.traced]
+
+    def step(self) -> Callable:
+        """fn of the traced arguments alone, the static ones baked in; its parameters carry
+        the arguments' names, which trace reads from the signature for the paths."""
+        fn, slots = self.fn, tuple(self.slots)
+        args: list[Any] = [None] * self.positional
+        kwargs = {}
+        for where, value in self.static:
+            if isinstance(where, int):
+                args[where] = value
+            else:
+                kwargs[where] = value
+
+        def step(*traced: Any) -> Any:
+            a, kw = list(args), dict(kwargs)
+            for where, value in zip(slots, traced):
+                if isinstance(where, int):
+                    a[where] = value
+                else:
+                    kw[where] = value
+            return fn(*a, **kw)
+
+        step.__name__ = step.__qualname__ = _name(fn)
+        step.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+             for name in self.names], __validate_parameters__=False)
+        return step
+
+
+def _traceable(x: Any) -> bool:
+    """Whether jax can trace `x` as an argument: an array or a number (or their shapes)."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, bool, int, float, complex)):
+        return True
+    if isinstance(x, (np.ndarray, np.generic)):
+        try:
+            jax.numpy.result_type(x)  # numeric dtypes only: not strings or objects
+        except TypeError:
+            return False
+        return True
+    return hasattr(x, "__jax_array__")
+
+
+def _which(where: int | str, name: str | None = None) -> str:
+    if isinstance(where, str):
+        return f"keyword argument {where!r}"
+    return f"argument {where}" + (f" ({name!r})" if name else "")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
