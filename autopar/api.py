@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -13,15 +12,16 @@ from autopar.annotate import Annotations, check_annotations_type
 from autopar.calling import Call, Conventions
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
-from autopar.errors import AutoparError, collect_errors
+from autopar.errors import AutoparError
 from autopar.hlo import compiled_memory_bytes
 from autopar.ir import OpGraph
 from autopar.lower import jit_step
-from autopar.memory import layer_steps, mib, parse_bytes
+from autopar.memory import mib, parse_bytes
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
 from autopar.plan import Plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
-from autopar.rules.factors import Strategy, to_partition_spec
+from autopar.rules.factors import to_partition_spec
+from autopar.saved import decisions_from_plan
 from autopar.trace import trace
 
 # A plan whose estimated peak is within the estimate's error of memory_limit (about 15% against
@@ -296,10 +296,3 @@ def _place(x: Any, sharding: NamedSharding, donate: bool = False) -> Any:
     if donate and isinstance(x, jax.Array):
         x = jax.numpy.array(x, copy=True)
     return jax.device_put(x, sharding)
-
-
-def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisions:
-    """The decisions a saved plan records, checked against this trace of the step: a compact
-    plan's followers rebuilt from its deciding operators (autopar/saved.py)."""
-    from autopar.saved import decisions_from_plan as from_saved
-    return from_saved(graph, saved, shape)

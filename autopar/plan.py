@@ -1,8 +1,11 @@
 """The Plan: every input, output and operator decision, readable and saved as JSON."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
-from dataclasses import asdict, dataclass, field
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -10,8 +13,6 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
 from autopar.rules.factors import Spec, to_partition_spec
-
-FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,32 @@ class OpDecision:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """The strategy of an operator that decides its own sharding (a product, a gather, a
+    broadcast: saved.decides). A saved plan records only these: every other operator follows
+    the producer of its main operand, and applying the plan derives its strategy from that
+    producer's as the search does."""
+
+    op: int  # the operator's index in the traced step
+    primitive: str
+    scope: str
+    backward: bool
+    in_shapes: tuple[tuple[int, ...], ...]
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    partial_axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """Instances of a repeated layer (`GPT/block_1`) whose deciding operators decide as those
+    of an earlier instance (`same_as`), in order."""
+
+    layers: tuple[str, ...]
+    same_as: str
+
+
+@dataclass(frozen=True)
 class Redistribution:
     """A change of sharding the plan inserts between where a tensor is made and where it is used.
 
@@ -74,7 +101,9 @@ class Plan:
     """A sharding plan for one step function on one mesh.
 
     `specs` maps every input and output path to its PartitionSpec; `ops` holds every operator
-    decision; `cost` the totals per device. `to_json`/`from_json` round-trip exactly.
+    decision, `decisions` those the search made (the rest follow them); `cost` the totals per
+    device. A plan read from compact JSON has `decisions` but no `ops` (`decided` holds them).
+    Plans are equal when all but `ops` are: the same decisions make the same operators.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -82,7 +111,7 @@ class Plan:
     hardware: str
     inputs: tuple[TensorPlan, ...]
     outputs: tuple[TensorPlan, ...]
-    ops: tuple[OpDecision, ...]
+    ops: tuple[OpDecision, ...] = field(compare=False)
     cost: dict[str, float] = field(hash=False)
     search_stats: dict[str, Any] = field(hash=False, default_factory=dict)
     redistributions: tuple[Redistribution, ...] = ()
@@ -92,6 +121,21 @@ class Plan:
     # the largest buffers then, and the limit planned for
     memory: dict[str, Any] = field(hash=False, default_factory=dict)
     recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
+    # the decisions read from compact JSON; empty where `ops` holds every operator
+    decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        compared = [f.name for f in dataclasses.fields(self) if f.compare]
+        return (all(getattr(self, n) == getattr(other, n) for n in compared)
+                and self.decisions == other.decisions)
+
+    @functools.cached_property
+    def decisions(self) -> tuple[Decision | Repeat, ...]:
+        """The deciding operators' strategies, repeated layers as Repeats (saved.py)."""
+        from autopar.saved import compact_decisions
+        return self.decided or compact_decisions(self.ops)
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -109,13 +153,13 @@ class Plan:
         return _unflatten(self.out_tree, self.outputs)
 
     def summary(self, limit: int = 40) -> str:
-        """A table of input path -> PartitionSpec, then the predicted cost."""
-        rows = [(t.path, str(t.partition_spec), f"{t.bytes_per_device:,}") for t in self.inputs]
+        """Every input path -> PartitionSpec (instances of a repeated layer with equal specs as
+        one row, block_{0..3}/...), then the predicted cost; `limit` redistributions at most."""
+        rows = [(p, str(t.partition_spec), f"{t.bytes_per_device:,}")
+                for p, t in _grouped(self.inputs)]
         width = max([len(r[0]) for r in rows] + [4])
         lines = [f"{'path':<{width}}  {'spec':<28} bytes/device"]
-        lines += [f"{p:<{width}}  {s:<28} {b}" for p, s, b in rows[:limit]]
-        if len(rows) > limit:
-            lines.append(f"... {len(rows) - limit} more")
+        lines += [f"{p:<{width}}  {s:<28} {b}" for p, s, b in rows]
         c = self.cost
         lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, communication "
                      f"{c['communication_s'] * 1e3:.3f} ms, total {c['total_s'] * 1e3:.3f} ms; "
@@ -145,103 +189,38 @@ class Plan:
         return "\n".join(lines)
 
     # -- JSON --------------------------------------------------------------------------------------
-    def to_json(self, indent: int | None = 1) -> str:
-        body = {
-            "format_version": FORMAT_VERSION,
-            "mesh": {"axis_names": [n for n, _ in self.mesh], "axis_sizes": [s for _, s in self.mesh]},
-            "backend": self.backend,
-            "hardware": self.hardware,
-            "inputs": [_tensor_json(t) for t in self.inputs],
-            "outputs": [_tensor_json(t) for t in self.outputs],
-            "ops": [_op_json(o) for o in self.ops],
-            "cost": self.cost,
-            "search_stats": self.search_stats,
-            "redistributions": [_redistribution_json(r) for r in self.redistributions],
-            "memory": self.memory,
-            "recompute": list(self.recompute),
-        }
-        return json.dumps(body, indent=indent)
+    def to_json(self, detail: bool = False) -> str:
+        """The plan as JSON, one entry per line (layout: plan_json). Compact by default: the
+        decisions the search made; `detail` adds every operator's strategy and cost."""
+        from autopar.plan_json import dumps, plan_body
+        if detail and not self.ops and self.decided:
+            raise AutoparError("this plan was read from compact JSON and holds no per-operator "
+                               "detail. Fix: apply it (auto_parallel(step, mesh=..., plan=p)"
+                               ".plan(*args)) and save that plan with detail=True.")
+        return dumps(plan_body(self, detail))
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        """A plan from its JSON. A partial plan (only `mesh` and some `inputs`, each with path,
-        shape and spec) reads too: it serves as annotations, not to run a step."""
+        """A plan from its JSON, compact or detailed, of this format or the one before. A
+        partial plan (only `mesh` and some `inputs`, each with path, shape and spec) reads too:
+        it serves as annotations, not to run a step."""
+        from autopar.plan_json import plan_fields
         try:
-            body = json.loads(text)
-            if body.get("format_version") != FORMAT_VERSION:
-                raise AutoparError(f"plan format_version {body.get('format_version')!r} is not "
-                                   f"{FORMAT_VERSION}. Fix: plan again with this autopar version.")
-            mesh = tuple(zip(body["mesh"]["axis_names"], body["mesh"]["axis_sizes"]))
-            return Plan(
-                mesh=tuple((str(n), int(s)) for n, s in mesh), backend=body.get("backend", ""),
-                hardware=body.get("hardware", ""),
-                inputs=tuple(_tensor_from(t) for t in body["inputs"]),
-                outputs=tuple(_tensor_from(t) for t in body.get("outputs", [])),
-                ops=tuple(_op_from(o) for o in body.get("ops", [])),
-                cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),
-                redistributions=tuple(_redistribution_from(r)
-                                      for r in body.get("redistributions", [])),
-                memory=body.get("memory", {}), recompute=tuple(body.get("recompute", [])))
-        except (KeyError, TypeError, ValueError) as e:
+            return Plan(**plan_fields(json.loads(text)))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise AutoparError(f"not a valid autopar plan JSON ({e!r}). Fix: load a file written "
                                "by Plan.save or Plan.to_json.") from e
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, detail: bool = False) -> None:
+        """Write the plan's JSON (compact; `detail` adds every operator) to `path`."""
         with open(path, "w") as f:
-            f.write(self.to_json())
+            f.write(self.to_json(detail))
 
 
 def load_plan(path: str) -> Plan:
     """Read a plan written by `Plan.save`."""
     with open(path) as f:
         return Plan.from_json(f.read())
-
-
-def _spec_json(spec: Spec) -> list[list[str]]:
-    return [list(axes) for axes in spec]
-
-
-def _spec_from(raw: list) -> Spec:
-    return tuple(tuple(str(a) for a in axes) for axes in raw)
-
-
-def _tensor_json(t: TensorPlan) -> dict:
-    return {"path": t.path, "shape": list(t.shape), "dtype": t.dtype,
-            "spec": _spec_json(t.spec), "partition_spec": str(t.partition_spec),
-            "bytes_per_device": t.bytes_per_device}
-
-
-def _tensor_from(d: dict) -> TensorPlan:
-    return TensorPlan(d["path"], tuple(d["shape"]), d.get("dtype", ""), _spec_from(d["spec"]),
-                      int(d.get("bytes_per_device", 0)))
-
-
-def _op_json(o: OpDecision) -> dict:
-    d = asdict(o)
-    d["in_specs"] = [_spec_json(s) for s in o.in_specs]
-    d["out_specs"] = [_spec_json(s) for s in o.out_specs]
-    return d
-
-
-def _op_from(d: dict) -> OpDecision:
-    return OpDecision(
-        int(d["index"]), d["primitive"], d["source"], tuple(tuple(s) for s in d["in_shapes"]),
-        tuple(tuple(s) for s in d["out_shapes"]), tuple(_spec_from(s) for s in d["in_specs"]),
-        tuple(_spec_from(s) for s in d["out_specs"]), tuple(d["partial_axes"]),
-        float(d["compute_s"]), float(d["communication_s"]), d.get("scope", ""),
-        bool(d.get("backward", False)))
-
-
-def _redistribution_json(r: Redistribution) -> dict:
-    return {"where": r.where, "tensor": r.tensor, "shape": list(r.shape),
-            "from_spec": _spec_json(r.from_spec), "to_spec": _spec_json(r.to_spec),
-            "from": str(to_partition_spec(r.from_spec)), "to": str(to_partition_spec(r.to_spec)),
-            "cost_s": r.cost_s, "annotated": r.annotated}
-
-
-def _redistribution_from(d: dict) -> Redistribution:
-    return Redistribution(d["where"], d["tensor"], tuple(d["shape"]), _spec_from(d["from_spec"]),
-                          _spec_from(d["to_spec"]), float(d["cost_s"]), bool(d["annotated"]))
 
 
 def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:
@@ -255,3 +234,15 @@ def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:
             node = node.setdefault(p, {})
         node[leaf] = t.partition_spec
     return nested
+
+
+def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
+    """(path or pattern, tensor) rows: tensors whose paths differ only in their numbers and
+    that agree in shape, dtype and spec are one row, block_{0..3}/... (plan_json.collapse)."""
+    from autopar.layers import layer_key
+    from autopar.plan_json import collapse
+    groups: dict[tuple, list[TensorPlan]] = defaultdict(list)
+    for t in tensors:
+        groups[(layer_key(t.path), t.shape, t.dtype, t.spec, t.bytes_per_device)].append(t)
+    return [(pattern, members[0]) for members in groups.values()
+            for pattern in collapse([t.path for t in members])]

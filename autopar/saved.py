@@ -1,0 +1,236 @@
+"""Saved plans: which operator decisions a plan records, and the decisions of every operator
+rebuilt from them when the plan is applied to a trace of the step.
+
+The search gives a choice only to the operators that decide their sharding; every other
+operator follows the producer of its main operand (problem._group). A saved plan records the
+deciding operators' strategies (`compact_decisions`), and applying it walks the step's units in
+order as the search does: a recorded operator takes its strategy, a follower derives its own
+from its producer's result spec with `follow`. Nothing is priced and nothing searched: each
+deciding unit has its one recorded strategy. A detailed plan (every operator in `ops`) applies
+as recorded.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from typing import Sequence
+
+from autopar.annotate import SHARD_PRIMITIVE
+from autopar.errors import collect_errors
+from autopar.ir import OpGraph
+from autopar.layers import layer_key
+from autopar.memory import layer_steps
+from autopar.mesh import MeshShape
+from autopar.plan import Decision, OpDecision, Plan, Repeat
+from autopar.plan_json import collapse, expand
+from autopar.planner import Decisions
+from autopar.problem import DECIDERS, GROWTH, main_operand, make_units
+from autopar.rules import Spec, Strategy, enumerate_strategies, follow
+from autopar.rules.factors import canonical
+
+
+def decides(primitive: str, in_shapes: Sequence[tuple[int, ...]],
+            out_shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether an operator chooses its own strategy in the search (problem._group), as far as its
+    primitive and shapes tell: deciders and `autopar.shard` marks; an operator whose result is
+    GROWTH times an operand it could follow (a broadcast, a concatenation); not one with an
+    operand of its result's shape, which it follows (an elementwise operator), nor one with
+    nothing to split. The test sees no constants: an operator whose operands of the result's
+    shape are all constants follows a smaller operand, and may decide where this says it does
+    not; applying such a plan names the operator (saved.py)."""
+    if primitive in DECIDERS or primitive == SHARD_PRIMITIVE:
+        return True
+    if not any(d > 1 for shape in (*in_shapes, *out_shapes) for d in shape):
+        return False  # nothing to split: one strategy
+    if not in_shapes or not out_shapes:
+        return True
+    out = out_shapes[0]
+    if any(tuple(s) == tuple(out) for s in in_shapes):
+        return False
+    return any(math.prod(out) >= GROWTH * math.prod(s) for s in in_shapes)
+
+
+_DIGIT = re.compile(r"\d")
+
+
+def instance_of(scope: str) -> str | None:
+    """The layer instance an operator belongs to: its scope up to the first part with a number
+    (`GPT/block_3` for `GPT/block_3/mlp_in`); None outside numbered layers."""
+    parts = scope.split("/")
+    for k, part in enumerate(parts):
+        if _DIGIT.search(part):
+            return "/".join(parts[:k + 1])
+    return None
+
+
+def compact_decisions(ops: Sequence[OpDecision]) -> tuple[Decision | Repeat, ...]:
+    """The deciding operators' decisions in operator order; an instance of a repeated layer
+    whose decisions equal an earlier instance's (same operators, shapes and specs, in order)
+    becomes one Repeat after that instance's last entry."""
+    deciding = [o for o in ops if decides(o.primitive, o.in_shapes, o.out_shapes)]
+    members: dict[str, list[OpDecision]] = defaultdict(list)
+    for o in deciding:
+        inst = instance_of(o.scope)
+        if inst is not None:
+            members[inst].append(o)
+    first: dict[tuple, str] = {}
+    same_as: dict[str, str] = {}
+    for inst, group in members.items():
+        key = (layer_key(inst), tuple((o.primitive, o.backward, o.scope[len(inst):], o.in_shapes,
+                                       o.in_specs, o.out_specs, o.partial_axes) for o in group))
+        if key in first:
+            same_as[inst] = first[key]
+        else:
+            first[key] = inst
+    copies: dict[str, list[str]] = defaultdict(list)
+    for inst, target in same_as.items():
+        copies[target].append(inst)
+    out: list[Decision | Repeat] = []
+    after: dict[str, int] = {}  # instance -> position after its last entry
+    for o in deciding:
+        inst = instance_of(o.scope)
+        if inst in same_as:
+            continue
+        out.append(Decision(o.index, o.primitive, o.scope, o.backward, o.in_shapes, o.in_specs,
+                            o.out_specs, o.partial_axes))
+        if inst in copies:
+            after[inst] = len(out)
+    for target, at in sorted(after.items(), key=lambda item: -item[1]):
+        # in the order their JSON pattern expands to, so that a plan read back compares equal
+        names = tuple(n for p in collapse(copies[target]) for n in expand(p))
+        out.insert(at, Repeat(names, target))
+    return tuple(out)
+
+
+def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisions:
+    """The decisions a saved plan records, checked against this trace of the step."""
+    problems = []
+    if dict(saved.mesh) != shape.as_dict():
+        problems.append(f"the plan was made for mesh {dict(saved.mesh)}, this mesh is {shape}; "
+                        "plan again for this mesh")
+    by_path = {t.path: t for t in saved.inputs}
+    inputs = []
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        entry = by_path.get(tensor.path or "")
+        if entry is None or entry.shape != tensor.shape:
+            problems.append(f"input {tensor.path} {tensor.shape} is not in the plan with that "
+                            "shape; plan again for these arguments")
+            continue
+        inputs.append(entry.spec)
+    count = len(saved.ops) if saved.ops else saved.search_stats.get("ops")
+    if count is not None and count != len(graph.ops):
+        problems.append(f"the plan has {count} operators, this step traces to "
+                        f"{len(graph.ops)}; plan again after changing the step")
+    ops: list[Strategy] = []
+    if saved.ops:
+        ops = _recorded_ops(graph, saved.ops, shape, problems)
+    elif not problems:
+        ops = _rebuilt_ops(graph, saved.decisions, dict(zip(graph.inputs, inputs)), shape,
+                           problems)
+    layers = layer_steps(graph)
+    problems += [f"the plan recomputes layer {name!r}, which this step does not have; plan again"
+                 for name in saved.recompute if name not in layers]
+    collect_errors(problems, f"the saved plan does not fit this step on mesh {shape}:")
+    recompute = frozenset(i for name in saved.recompute for i in layers[name])
+    return Decisions(inputs, ops, recompute)
+
+
+def _strategy(in_specs: tuple[Spec, ...], out_specs: tuple[Spec, ...],
+              partial_axes: tuple[str, ...], shape: MeshShape) -> Strategy:
+    used = {a for spec in (*in_specs, *out_specs) for axes in spec for a in axes}
+    return Strategy((), in_specs, out_specs, partial_axes,
+                    math.prod(shape.axis_size(a) for a in used))
+
+
+def _recorded_ops(graph: OpGraph, recorded: Sequence[OpDecision], shape: MeshShape,
+                  problems: list[str]) -> list[Strategy]:
+    """Every operator's strategy as a detailed plan records it."""
+    ops = []
+    for op, d in zip(graph.ops, recorded):
+        shapes = tuple(graph.tensors[t].shape for t in op.inputs)
+        if d.primitive != op.primitive or d.in_shapes != shapes:
+            problems.append(f"operator {op.id} is {op.primitive}{shapes} here but "
+                            f"{d.primitive}{d.in_shapes} in the plan; plan again")
+            break
+        ops.append(_strategy(d.in_specs, d.out_specs, d.partial_axes, shape))
+    return ops
+
+
+def _deciding_by_op(graph: OpGraph, decided: Sequence[Decision | Repeat],
+                    problems: list[str]) -> dict[int, Decision]:
+    """op id -> its recorded decision, a Repeat's instances matched operator by operator with
+    the deciding operators of the instance they repeat."""
+    recorded: dict[int, Decision] = {}
+    entries = [d for d in decided if isinstance(d, Decision)]
+    for d in entries:
+        if d.op >= len(graph.ops):
+            problems.append(f"the plan records operator {d.op} ({d.primitive} in "
+                            f"{d.scope or 'the step'}), which this step does not have; plan "
+                            "again")
+            continue
+        op = graph.ops[d.op]
+        shapes = tuple(graph.tensors[t].shape for t in op.inputs)
+        if d.primitive != op.primitive or d.in_shapes != shapes:
+            problems.append(f"operator {op.id} is {op.primitive}{shapes} here but "
+                            f"{d.primitive}{d.in_shapes} in the plan; plan again")
+            break
+        recorded[d.op] = d
+    deciding: dict[str | None, list] = defaultdict(list)
+    for op in graph.ops:
+        if decides(op.primitive, [graph.tensors[t].shape for t in op.inputs],
+                   [graph.tensors[t].shape for t in op.outputs]):
+            deciding[instance_of(op.scope)].append(op)
+    for r in (d for d in decided if isinstance(d, Repeat)):
+        pattern = [d for d in entries if instance_of(d.scope) == r.same_as]
+        for inst in r.layers:
+            here = deciding.get(inst, [])
+            if len(here) != len(pattern) or any(
+                    (op.primitive, op.backward, op.scope[len(inst):],
+                     tuple(graph.tensors[t].shape for t in op.inputs))
+                    != (d.primitive, d.backward, d.scope[len(r.same_as):], d.in_shapes)
+                    for op, d in zip(here, pattern)):
+                problems.append(f"the plan has layer {inst} decide as {r.same_as}, and this "
+                                f"step's {inst} has other deciding operators ({len(here)} "
+                                f"against {len(pattern)}); plan again")
+                continue
+            recorded.update({op.id: d for op, d in zip(here, pattern)})
+    return recorded
+
+
+def _rebuilt_ops(graph: OpGraph, decided: Sequence[Decision | Repeat],
+                 input_specs: dict[int, Spec], shape: MeshShape,
+                 problems: list[str]) -> list[Strategy]:
+    """Every operator's strategy from a compact plan: the recorded ones as recorded, a
+    follower's from its producer's result spec (follow), as problem._group derives it."""
+    recorded = _deciding_by_op(graph, decided, problems)
+    if problems:
+        return []
+    mesh = canonical(shape)
+    units = make_units(graph)
+    producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
+    made: list[tuple[Spec, ...]] = []  # unit -> the specs of its results
+    ops: list[Strategy] = [None] * len(graph.ops)  # type: ignore[list-item]
+    for u, unit in enumerate(units):
+        if unit.op is None:
+            made.append((input_specs[unit.outputs[0]],))
+            continue
+        d = recorded.get(unit.op.id)
+        main = main_operand(unit, graph)
+        source = producer.get(unit.inputs[main]) if main is not None else None
+        if d is not None:
+            st = _strategy(d.in_specs, d.out_specs, d.partial_axes, shape)
+        elif source is not None and source[0] < u:
+            st = follow(unit.rule, mesh, main, made[source[0]][source[1]])
+        else:  # decides, unrecorded: only an operator with one strategy may be
+            options = enumerate_strategies(unit.rule, mesh)
+            st = options[0]
+            if len(options) > 1:
+                problems.append(
+                    f"operator {unit.op.id} ({unit.op.primitive} at {unit.op.source}) decides "
+                    "its sharding in this step, and the plan records no decision for it; plan "
+                    "again (a plan saved with detail=True records every operator)")
+        ops[unit.op.id] = st
+        made.append(st.out_specs)
+    return ops
