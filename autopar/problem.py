@@ -277,6 +277,8 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
         else:
             node_of.append(len(roots))
             roots.append(u)
+            # Only weight gradients are offered the reduce-scatter variant (into a sharded
+            # optimizer state): offered to every product, it widens the search for little.
             options = enumerate_strategies(unit.rule, mesh,
                                            scatter=bool(set(unit.outputs) & gradients))
             if extend is not None and u in extend.assignments:
