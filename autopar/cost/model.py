@@ -132,8 +132,8 @@ def value_facts(graph: OpGraph) -> ValueFacts:
     collective: the weight gradients outside loops, and the sums only the step's results read
     (the loss). Neither kind waits for another's all-reduce, so a step pays one collective's
     latency for all of them (data parallel gpt-1024 on 8 devices compiles to one all-reduce
-    of 448 MiB for its 47 gradients and its loss). Each is charged its share of one latency;
-    charged one each, the 35 gradients of a small GPT cost 0.18 ms on h100, where the
+    of 448 MiB for all its gradients and its loss). Each is charged its share of one latency;
+    charged one each, the 37 sums of a small GPT cost 0.18 ms on h100, where the
     compiled all-reduce takes 0.007 ms, and the search replicated the step. GPU's XLA splits
     the combined buffer at a threshold of tens of MiB, where the bandwidth term outweighs the
     latencies: not modelled."""
