@@ -6,6 +6,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.annotate import Annotations, check_annotations_type
@@ -257,8 +258,8 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         graph, decisions, p, jitted, mesh = self._compiled(call, key)
-        placed = [_place(x, NamedSharding(mesh, to_partition_spec(s)), k in call.donated)
-                  for k, (x, s) in enumerate(zip(call.leaves, decisions.inputs))]
+        placed = _place(call.leaves, [NamedSharding(mesh, to_partition_spec(s))
+                                      for s in decisions.inputs], call.donated)
         if key in self._called:
             outs = jitted(*placed)
         else:  # the first call traces the planned program and compiles it
@@ -285,14 +286,36 @@ def _abstract(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
             for x in leaves]
 
 
-def _place(x: Any, sharding: NamedSharding, donate: bool = False) -> Any:
-    """Put an input where the plan wants it, unless it is there already.
+def _place(leaves: Sequence[Any], shardings: Sequence[NamedSharding], donated: Any
+           ) -> list[Any]:
+    """Put the inputs where the plan wants them: those not there already, in one batched
+    device_put.
 
-    A donated input that has to move is copied first: device_put reuses the caller's buffer
-    for a shard that is the whole array (a replicated leaf, such as optax's scalar count),
-    and donating the mesh array would then delete the caller's."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    if donate and isinstance(x, jax.Array):
-        x = jax.numpy.array(x, copy=True)
-    return jax.device_put(x, sharding)
+    An array in host memory (the CPU platform's) is sliced from a numpy view of it: from a
+    device array, device_put compiles a slicing program per shape and sharding (a 4-layer
+    GPT's 204 leaves took 1.0 s, from numpy 0.13 s). A donated device array that has to move
+    is copied first: device_put reuses the caller's buffer for a shard that is the whole
+    array (a replicated leaf, such as optax's scalar count), and donating the mesh array would
+    then delete the caller's."""
+    placed = list(leaves)
+    moves = [k for k, (x, sharding) in enumerate(zip(leaves, shardings))
+             if not (isinstance(x, jax.Array) and x.sharding == sharding)]
+    if not moves:
+        return placed
+    sources = []
+    for k in moves:
+        x = leaves[k]
+        if isinstance(x, jax.Array) and _in_host_memory(x):
+            x = np.asarray(x)
+        elif isinstance(x, jax.Array) and k in donated:
+            x = jax.numpy.array(x, copy=True)
+        sources.append(x)
+    for k, x in zip(moves, jax.device_put(sources, [shardings[k] for k in moves])):
+        placed[k] = x
+    return placed
+
+
+def _in_host_memory(x: jax.Array) -> bool:
+    """Whether numpy can view `x` without a transfer (key arrays have no numpy dtype)."""
+    return (x.is_fully_addressable and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            and all(d.platform == "cpu" for d in x.sharding.device_set))

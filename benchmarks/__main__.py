@@ -5,7 +5,7 @@ and small models, each program compiled for 8 simulated devices and judged on GP
 profiles by `autopar.judge`), `fidelity` (the cost model's estimates against what XLA compiled,
 with pinned baselines, for small models run on the simulated devices), `propagation`
 (annotations spread by sharding_propagation against the search), `planning` (search time and
-quality at depth and scale, overhead against jax.jit) and `memory` (plans for shrinking memory
+quality at depth and scale, first call against jax.jit) and `memory` (plans for shrinking memory
 budgets, predicted against compiled memory).
 Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
 Timings are of this machine; compare them as ratios within one run.
