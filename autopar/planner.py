@@ -99,7 +99,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     elif backend == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
                                                    memory_weight, problems)
-        space = "one axis at a time"
+        space = extra.pop("space")
     elif backend == "sharding_propagation":
         if not pinned:
             raise AutoparError(

@@ -7,8 +7,9 @@ half (`search.recursive_programming`: heaviest operator first, then coordinate d
 it in time linear in the graph. Where a round's problem is narrow enough for exact elimination
 with small tables (it usually is: a handful of strategies per node), the round is solved
 exactly instead. The rounds together are not the optimum of the whole mesh: what an early
-round decided stays. Any mesh shape works: axes of any size, indivisible dimensions are never offered to an
-axis that does not divide them.
+round decided stays. Where the first round splits nothing, all axes taken as one are tried as
+well (`_merged_rounds`). Any mesh shape works: axes of any size, indivisible dimensions are
+never offered to an axis that does not divide them.
 """
 from __future__ import annotations
 
@@ -128,7 +129,52 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         problem = kept_problem(problems, key, build).priced(graph, sub, memory_weight)
         solution, exact = solve_round(problem.graph)
         exact_rounds += exact
+        if not done:
+            first_split = any(axes for s in problem.decode(solution.choice)
+                              for _, axes in s.assignment)
         done.append(axis)
         key += (solution.choice.tobytes(),)  # the next round extends this answer
-    return problem, solution, {"rounds": len(order), "exact_rounds": exact_rounds,
-                               "exact": False}
+    stats = {"rounds": len(order), "exact_rounds": exact_rounds, "exact": False,
+             "space": "one axis at a time"}
+    merged = None if first_split else _merged_rounds(graph, mesh, hw, pinned, units,
+                                                     memory_weight, problems, order)
+    if merged is not None:
+        stats["one_axis_at_a_time_s"] = solution.cost
+        stats["all_axes_as_one_s"] = merged[1].cost
+        if merged[1].cost < solution.cost:
+            problem, solution = merged
+            stats["space"] = "all axes as one, then the last axis"
+    return problem, solution, stats
+
+
+def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
+                   pinned: dict[int, Spec] | None, units: list[Unit], memory_weight: float,
+                   problems: dict | None, order: list[str]
+                   ) -> tuple[Problem, search.Solution] | None:
+    """The recursion's second answer, where its first round split nothing: every axis taken
+    as one (a one-axis mesh of all the devices), then a round on the whole mesh that keeps
+    that answer's placement of all axes but the last and places the last. A first round over
+    a small axis finds no split worth the latencies it adds, and later rounds keep its
+    replication (see `merged_within`): a small ResNet on 2x2x2 stayed replicated, judged 1.6x
+    data parallel's time. None on a mesh of one axis, or where a pin splits a dimension over
+    some of the axes only (it has no one-axis form)."""
+    if len(order) < 2:
+        return None
+    name = "*".join(order)
+    if pinned is not None and any(set(axes) not in (set(), set(order))
+                                  for spec in pinned.values() for axes in spec):
+        return None
+    one = MeshShape((name,), (int(np.prod([mesh.axis_size(a) for a in order])),))
+    pins = None if pinned is None else {
+        t: tuple((name,) if axes else () for axes in spec) for t, spec in pinned.items()}
+    first = kept_problem(problems, ("all axes as one",), lambda: build_problem(
+        graph, one, hw, pins, units=units)).priced(graph, one, memory_weight)
+    answer, _ = solve_round(first.graph)
+    rest = [a for a in mesh.names if a in order[:-1]]
+    extension = Extension(frozenset(rest), {
+        u: {f: tuple(rest) for f, axes in s.assignment if axes}
+        for u, s in enumerate(first.decode(answer.choice))})
+    whole = kept_problem(problems, ("all axes as one", answer.choice.tobytes()),
+                         lambda: build_problem(graph, mesh, hw, pinned, extend=extension,
+                                               units=units)).priced(graph, mesh, memory_weight)
+    return whole, solve_round(whole.graph)[0]

@@ -130,3 +130,20 @@ def test_rounds_within_the_full_problem_equal_the_recursion(axes):
     assert within.cost == full.graph.total_cost(within.choice)
     _, rounds, _ = solve_recursive(graph, shape, hw, None, units)
     assert within.cost == pytest.approx(rounds.cost, rel=1e-9)
+
+
+def test_a_first_round_that_splits_nothing_gets_all_axes_as_one():
+    """A small ResNet on 2x2x2 (tpu_v4): a split over one 2-device axis is worth less than the
+    latencies it adds, so the recursion's first round replicated everything and the later
+    rounds kept that. All three axes taken as one split the batch eight ways, cheaper under
+    the cost model, and the step still computes what one device does."""
+    import architectures
+    step, state, batch = architectures.resnet_setup(batch=16, size=16, channels=(32, 64))
+    mesh = {"data": 2, "model": 2, "inner": 2}
+    plan = check_against_single_device(step, state, batch, autopar.make_mesh(mesh), steps=2,
+                                       search="recursive_programming", hardware="tpu_v4")
+    stats = plan.search_stats
+    assert stats["space"] == "all axes as one, then the last axis"
+    assert stats["all_axes_as_one_s"] < stats["one_axis_at_a_time_s"]
+    assert any(set(axes) == set(mesh) for op in plan.ops for spec in op.in_specs
+               for axes in spec), "no operand split over all three axes at once"
