@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,7 +20,7 @@ from autopar.ir import OpGraph
 from autopar.lower import jit_step
 from autopar.memory import mib, parse_bytes
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
-from autopar.plan import Plan
+from autopar.plan import Plan, load_plan
 from autopar.planner import BACKENDS, Decisions, assemble, plan_step
 from autopar.rules.factors import to_partition_spec
 from autopar.saved import decisions_from_plan
@@ -90,7 +91,8 @@ def _mesh_or_count(mesh: Any) -> MeshShape | int:
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
-                  hardware: str | Hardware | None = None, plan: Plan | None = None,
+                  hardware: str | Hardware | None = None,
+                  plan: Plan | str | os.PathLike | None = None,
                   annotations: Annotations = None, memory_limit: int | str | None = None,
                   static_argnums: int | Sequence[int] = (),
                   static_argnames: str | Sequence[str] = (),
@@ -99,7 +101,8 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
-    (or applies `plan`, with no search) and compiles it; later calls reuse the executable.
+    (or applies `plan`, a Plan or the path of one saved by `Plan.save`, with no search) and
+    compiles it; later calls reuse the executable.
     `mesh` may also be a device count or "auto" (all devices): the mesh shape is then chosen
     with the plan, as the cheapest of every arrangement of those devices. A mesh from
     `jax.make_mesh` (Explicit axes) is used with its axes made Auto (see `mesh.auto_axes`).
@@ -132,6 +135,12 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
         raise AutoparError("auto_parallel got both plan= (apply a saved plan, no search) and "
                            "annotations= (seeds for a search). Fix: pass one; to seed a search "
                            "with a saved plan, pass it as annotations=plan.")
+    if isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(os.fspath(plan))
+    elif plan is not None and not isinstance(plan, Plan):
+        raise AutoparError(f"auto_parallel's plan= takes an autopar.Plan or the path of a "
+                           f"saved one, got {type(plan).__name__}. Fix: plan=autopar.load_plan("
+                           "path), or plan=path.")
     conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                  donate_argnames)
     hw = get_profile(hardware)

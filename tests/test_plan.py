@@ -65,6 +65,18 @@ def test_saved_plan_is_reused_without_search(tmp_path):
     assert [o.in_specs for o in reused.ops] == [o.in_specs for o in plan.ops]
 
 
+def test_plan_option_takes_a_saved_plans_path(tmp_path):
+    step, state, batch = models.mlp_setup()
+    mesh = autopar.make_mesh({"data": 8})
+    plan = autopar.plan(step, state, batch, mesh=mesh)
+    plan.save(tmp_path / "p.json")
+    for path in (tmp_path / "p.json", str(tmp_path / "p.json")):
+        assert autopar.auto_parallel(step, mesh=mesh, plan=path).plan(state, batch).specs == \
+            plan.specs
+    with pytest.raises(autopar.AutoparError, match="autopar.Plan or the path"):
+        autopar.auto_parallel(step, mesh=mesh, plan={"mesh": {"data": 8}})
+
+
 def test_saved_plan_for_another_step_is_refused():
     step, state, batch = models.mlp_setup()
     mesh = autopar.make_mesh({"data": 8})
