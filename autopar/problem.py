@@ -141,7 +141,8 @@ def make_units(graph: OpGraph) -> list[Unit]:
         units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
                           op_signature(op, graph.tensors, facts)))
     for primitive, sources in missing.items():
-        where = "; ".join(sorted(set(sources))[:3]) + (" ..." if len(set(sources)) > 3 else "")
+        named = sorted({s for s in sources if s}) or ["inside a jax function"]
+        where = "; ".join(named[:3]) + (" ..." if len(named) > 3 else "")
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
                       f"({len(sources)} use(s), at {where}); it runs replicated.",
                       AutoparWarning, stacklevel=4)

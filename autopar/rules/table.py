@@ -23,16 +23,19 @@ ELEMENTWISE = {
     "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
     "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out", "autopar_shard",
+    "conj", "complex", "le_to", "lt_to", "igamma", "igammac", "igamma_grad_a", "polygamma",
+    "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "clz",
 }
 # Elementwise too, but not fused: random numbers, one key (a key array's element) or one
-# counter at a time. Seeding, folding data into keys, copying them, and the hash itself on
-# uint32 words (a loop of rounds on CPU: XLA does not fuse it into its readers).
+# counter at a time. Seeding, folding data into keys, copying them, the hash itself on uint32
+# words (a loop of rounds on CPU: XLA does not fuse it into its readers), and gamma draws (a
+# rejection loop per element).
 RANDOM_ELEMENTWISE = {"random_seed", "random_fold_in", "random_clone", "threefry2x32",
-                      "threefry4x32"}
+                      "threefry4x32", "random_gamma"}
 # Operators XLA fuses into their reader (on every platform: loop fusion of elementwise chains).
 FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
                        "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p",
-                       "split", "bitcast_convert_type"}
+                       "split", "bitcast_convert_type", "stack", "unstack", "tile"}
 # Readers that take fused producers in: loop fusions and reductions' input fusions.
 FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
                           "argmin", "reduce_and", "reduce_or"}
@@ -394,6 +397,41 @@ def split(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     return fs.rule([dims], [dims] * len(outs))
 
 
+def stack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """`jnp.stack`: the operands share the result's factors but the new axis, which is whole
+    (each operand is one index of it)."""
+    fs = _Factors()
+    axis = params["axis"] % len(outs[0])
+    result = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
+    operand = result[:axis] + result[axis + 1:]
+    return fs.rule([operand] * len(ins), [result])
+
+
+def unstack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """The transpose of stack (its gradient): the pieces take the operand's other factors."""
+    stacked = stack(outs, ins, params)
+    return Rule(stacked.results, stacked.operands, stacked.sizes)
+
+
+def tile(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """`jnp.tile`: untiled dimensions split freely; a tiled one stays whole (a block of the
+    result is not a block of the operand)."""
+    return _whole_dims_shared(ins, outs, [r == 1 for r in params["reps"]], len(ins) - 1)
+
+
+def batched_matrices(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Linear algebra on the trailing matrices of batched operands (cholesky,
+    triangular_solve): the leading dimensions all operands and results share split freely;
+    each matrix stays whole."""
+    fs = _Factors()
+    lead = len(ins[0]) - 2
+    if lead <= 0 or len({s[:lead] for s in (*ins, *outs)}) != 1:
+        return replicated_rule(ins, outs)
+    dims = fs.dims(outs[0][:lead])
+    return fs.rule([dims + (None,) * (len(s) - lead) for s in ins],
+                   [dims + (None,) * (len(s) - lead) for s in outs])
+
+
 def window(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Pooling: dims with a window of 1, stride 1 and no padding split freely."""
     n = len(ins[0])
@@ -462,7 +500,11 @@ RULES: dict[str, RuleFn] = {
     "scan_slice": scan_slice, "scan_stack": scan_stack, "while": while_loop, "cond": cond,
     "split": split, "bitcast_convert_type": leading_shared, "random_bits": random_bits,
     "random_wrap": leading_shared, "random_unwrap": leading_shared,
-    "random_split": leading_shared,
+    "random_split": leading_shared, "stack": stack, "unstack": unstack, "tile": tile,
+    # HLO operations the partitioner splits on batch dims. No rule: eigh, qr, svd and lu
+    # (custom calls on CPU and GPU, which it runs whole) and fft (whose operand it gathers
+    # even when split on a batch dim: XLA CPU, jax 0.10.2).
+    "cholesky": batched_matrices, "triangular_solve": batched_matrices,
 }
 
 
