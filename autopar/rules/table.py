@@ -6,10 +6,12 @@ warns once, naming the primitive and where it was called.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 from autopar.rules.factors import Dims, Rule
+from autopar.rules.layout import (Factors, broadcast_in_dim, concatenate, dynamic_slice,
+                                  dynamic_update_slice, expand_dims, pad, reshape, rev,
+                                  slice_rule, split, squeeze, stack, tile, transpose, unstack)
 
 Shape = tuple[int, ...]
 RuleFn = Callable[[list[Shape], list[Shape], dict[str, Any]], Rule]
@@ -44,30 +46,9 @@ REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_a
 CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 
-class _Factors:
-    """Hands out fresh factor names and records their sizes."""
-
-    def __init__(self) -> None:
-        self.sizes: dict[str, int] = {}
-        self._names = (f"f{i}" for i in itertools.count())
-
-    def new(self, size: int) -> str | None:
-        if size <= 1:
-            return None  # a dimension of size 1 cannot be split
-        name = next(self._names)
-        self.sizes[name] = size
-        return name
-
-    def dims(self, shape: Shape) -> Dims:
-        return tuple(self.new(d) for d in shape)
-
-    def rule(self, operands: list[Dims], results: list[Dims]) -> Rule:
-        return Rule(tuple(operands), tuple(results), self.sizes)
-
-
 def elementwise(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Operands of the result's shape share its factors; size-1 (broadcast) dims and scalars don't."""
-    fs = _Factors()
+    fs = Factors()
     shape = outs[0]
     result = fs.dims(shape)
     operands = [result if s == shape else
@@ -76,67 +57,9 @@ def elementwise(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     return fs.rule(operands, [result] * len(outs))
 
 
-def broadcast_in_dim(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    fs = _Factors()
-    result = list(fs.dims(outs[0]))
-    operand = tuple(result[o] if d == outs[0][o] else None
-                    for d, o in zip(ins[0], params["broadcast_dimensions"]))
-    return fs.rule([operand, *[() for _ in ins[1:]]], [tuple(result)])
-
-
-def transpose(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    fs = _Factors()
-    operand = fs.dims(ins[0])
-    return fs.rule([operand], [tuple(operand[p] for p in params["permutation"])])
-
-
-def reshape(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Split and merge of dimensions: the major dimensions of each group share a factor.
-
-    Splitting (b*t) into (b, t) keeps a split of b*t into contiguous blocks as a split of b, when
-    the axis size divides b: the factor takes the smaller major size.
-    """
-    src, dst = ins[0], outs[0]
-    fs = _Factors()
-    operand: list[str | None] = [None] * len(src)
-    result: list[str | None] = [None] * len(dst)
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        if src[i] == 1:
-            i += 1
-            continue
-        if dst[j] == 1:
-            j += 1
-            continue
-        i0, j0, a, b = i, j, src[i], dst[j]
-        i, j = i + 1, j + 1
-        while a != b:
-            if a < b and i < len(src):
-                a, i = a * src[i], i + 1
-            elif b < a and j < len(dst):
-                b, j = b * dst[j], j + 1
-            else:
-                break
-        f = fs.new(min(src[i0], dst[j0]))
-        if f is not None and max(src[i0], dst[j0]) % min(src[i0], dst[j0]) == 0:
-            operand[i0], result[j0] = f, f
-    return fs.rule([tuple(operand), *[() for _ in ins[1:]]], [tuple(result)])
-
-
-def squeeze(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    fs = _Factors()
-    dropped = {d % len(ins[0]) for d in params["dimensions"]}
-    operand = fs.dims(ins[0])
-    return fs.rule([operand], [tuple(f for k, f in enumerate(operand) if k not in dropped)])
-
-
-def expand_dims(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    return reshape(ins, outs, params)
-
-
 def reduction(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Reduced dimensions are reduction factors: split, they leave partials for an all-reduce."""
-    fs = _Factors()
+    fs = Factors()
     operand = fs.dims(ins[0])
     axes = set(params["axes"])
     result = tuple(f for k, f in enumerate(operand) if k not in axes)
@@ -145,7 +68,7 @@ def reduction(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 def argminmax(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """An index cannot be all-reduced: the reduced dimension stays whole."""
-    fs = _Factors()
+    fs = Factors()
     axes = set(params["axes"])
     operand = tuple(None if k in axes else fs.new(d) for k, d in enumerate(ins[0]))
     return fs.rule([operand], [tuple(f for k, f in enumerate(operand) if k not in axes)])
@@ -153,7 +76,7 @@ def argminmax(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 def along_axis_whole(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Cumulative ops, sort and top_k: the axis they run along stays whole."""
-    fs = _Factors()
+    fs = Factors()
     axis = params.get("axis", params.get("dimension", 0)) % len(outs[0])
     dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
     return fs.rule([dims] * len(ins), [dims] * len(outs))
@@ -161,7 +84,7 @@ def along_axis_whole(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 def dot_general(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     (lc, rc), (lb, rb) = params["dimension_numbers"]
-    fs = _Factors()
+    fs = Factors()
     lhs: list[str | None] = [None] * len(ins[0])
     rhs: list[str | None] = [None] * len(ins[1])
     batch = []
@@ -199,7 +122,7 @@ def conv(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     features = params.get("feature_group_count", 1)
     batches = params.get("batch_group_count", 1)
-    fs = _Factors()
+    fs = Factors()
     lhs: list[str | None] = [None] * len(ins[0])
     rhs: list[str | None] = [None] * len(ins[1])
     out: list[str | None] = [None] * len(outs[0])
@@ -217,44 +140,6 @@ def conv(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
         c = fs.new(ins[0][lhs_spec[1]])
         lhs[lhs_spec[1]], rhs[rhs_spec[1]] = c, c
     return fs.rule([tuple(lhs), tuple(rhs)], [tuple(out)])
-
-
-def concatenate(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    fs = _Factors()
-    axis = params["dimension"]
-    dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
-    return fs.rule([dims] * len(ins), [dims])
-
-
-def _whole_dims_shared(ins: list[Shape], outs: list[Shape], keep: list[bool],
-                       extra_operands: int) -> Rule:
-    """Dims marked keep share a factor between operand 0 and the result; the rest stay whole."""
-    fs = _Factors()
-    dims = tuple(fs.new(d) if k else None for d, k in zip(outs[0], keep))
-    return fs.rule([dims] + [() for _ in range(extra_operands)], [dims])
-
-
-def slice_rule(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    strides = params.get("strides") or (1,) * len(ins[0])
-    keep = [s == 0 and e == d and st == 1 for s, e, st, d in
-            zip(params["start_indices"], params["limit_indices"], strides, ins[0])]
-    return _whole_dims_shared(ins, outs, keep, len(ins) - 1)
-
-
-def pad(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    keep = [cfg == (0, 0, 0) for cfg in map(tuple, params["padding_config"])]
-    return _whole_dims_shared(ins, outs, keep, len(ins) - 1)
-
-
-def dynamic_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    keep = [s == d for s, d in zip(params["slice_sizes"], ins[0])]
-    return _whole_dims_shared(ins, outs, keep, len(ins) - 1)
-
-
-def dynamic_update_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    fs = _Factors()
-    dims = tuple(fs.new(d) if u == d else None for u, d in zip(ins[1], ins[0]))
-    return fs.rule([dims, dims] + [() for _ in ins[2:]], [dims])
 
 
 def _index_batch_dims(indices: Shape) -> list[int]:
@@ -276,7 +161,7 @@ def gather(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
       whose operand is sharded on such a dim into exactly that (masking and an all-reduce).
     """
     dn = params["dimension_numbers"]
-    fs = _Factors()
+    fs = Factors()
     operand: list[str | None] = [None] * len(ins[0])
     indices: list[str | None] = [None] * len(ins[1])
     result: list[str | None] = [None] * len(outs[0])
@@ -315,7 +200,7 @@ def scatter(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
       every device adds its share, then an all-reduce sums them.
     """
     dn = params["dimension_numbers"]
-    fs = _Factors()
+    fs = Factors()
     operand: list[str | None] = [None] * len(ins[0])
     indices: list[str | None] = [None] * len(ins[1])
     updates: list[str | None] = [None] * len(ins[2])
@@ -349,16 +234,10 @@ def scatter_add(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     return scatter(ins, outs, {**params, "_additive": True})
 
 
-def rev(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Reversed dimensions stay whole; the others split freely."""
-    keep = [k not in params["dimensions"] for k in range(len(ins[0]))]
-    return _whole_dims_shared(ins, outs, keep, 0)
-
-
 def iota(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Values made from their indices (iota, and iota_2x32_shape's two words of a counter):
     every result dimension splits freely, each device making its own block."""
-    fs = _Factors()
+    fs = Factors()
     result = fs.dims(outs[0])
     return fs.rule([() for _ in ins], [result] * len(outs))
 
@@ -371,7 +250,7 @@ def random_bits(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     own index, so each device computes just its block; XLA's partitioner keeps the values of
     one device whatever the sharding (without the flag it may compute all bits on every device
     and slice, which is slower, not different)."""
-    fs = _Factors()
+    fs = Factors()
     result = fs.dims(outs[0])
     return fs.rule([result[:len(ins[0])]], [result])
 
@@ -381,49 +260,18 @@ def leading_shared(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     longer one has stay whole. random_wrap and random_unwrap (a key's data is a trailing dim of
     uint32 words), random_split (the new keys: a few bytes each, not worth splitting), and
     bitcast_convert_type between bit widths (the narrower type's words of one element)."""
-    fs = _Factors()
+    fs = Factors()
     rank = min(len(ins[0]), len(outs[0]))
     lead = fs.dims(outs[0][:rank])
     return fs.rule([lead + (None,) * (len(ins[0]) - rank)],
                    [lead + (None,) * (len(outs[0]) - rank)])
 
 
-def split(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """`jnp.split`: the pieces take the operand's factors except along the split axis, which
-    stays whole (a block of the operand is not a block of each piece)."""
-    fs = _Factors()
-    axis = params["axis"] % len(ins[0])
-    dims = tuple(None if k == axis else f for k, f in enumerate(fs.dims(ins[0])))
-    return fs.rule([dims], [dims] * len(outs))
-
-
-def stack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """`jnp.stack`: the operands share the result's factors but the new axis, which is whole
-    (each operand is one index of it)."""
-    fs = _Factors()
-    axis = params["axis"] % len(outs[0])
-    result = tuple(None if k == axis else f for k, f in enumerate(fs.dims(outs[0])))
-    operand = result[:axis] + result[axis + 1:]
-    return fs.rule([operand] * len(ins), [result])
-
-
-def unstack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """The transpose of stack (its gradient): the pieces take the operand's other factors."""
-    stacked = stack(outs, ins, params)
-    return Rule(stacked.results, stacked.operands, stacked.sizes)
-
-
-def tile(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """`jnp.tile`: untiled dimensions split freely; a tiled one stays whole (a block of the
-    result is not a block of the operand)."""
-    return _whole_dims_shared(ins, outs, [r == 1 for r in params["reps"]], len(ins) - 1)
-
-
 def batched_matrices(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Linear algebra on the trailing matrices of batched operands (cholesky,
     triangular_solve): the leading dimensions all operands and results share split freely;
     each matrix stays whole."""
-    fs = _Factors()
+    fs = Factors()
     lead = len(ins[0]) - 2
     if lead <= 0 or len({s[:lead] for s in (*ins, *outs)}) != 1:
         return replicated_rule(ins, outs)
@@ -439,20 +287,20 @@ def window(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     strides = params.get("window_strides", (1,) * n)
     padding = params.get("padding", ((0, 0),) * n)
     keep = [w == 1 and s == 1 and tuple(p) == (0, 0) for w, s, p in zip(dims_, strides, padding)]
-    fs = _Factors()
+    fs = Factors()
     dims = tuple(fs.new(d) if k else None for d, k in zip(ins[0], keep))
     return fs.rule([dims] * len(ins), [dims] * len(outs))
 
 
 def scan_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """A scanned-over input: one slice per iteration; the iteration dim stays whole."""
-    fs = _Factors()
+    fs = Factors()
     dims = fs.dims(outs[0])
     return fs.rule([(None, *dims)], [dims])
 
 
 def scan_stack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    fs = _Factors()
+    fs = Factors()
     dims = fs.dims(ins[0])
     return fs.rule([dims], [(None, *dims)])
 
@@ -460,7 +308,7 @@ def scan_stack(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 def while_loop(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Each carried value keeps one sharding across iterations; loop constants stay whole."""
     n_consts = params["cond_nconsts"] + params["body_nconsts"]
-    fs = _Factors()
+    fs = Factors()
     carries = [fs.dims(s) for s in outs]
     return fs.rule([tuple(None for _ in s) for s in ins[:n_consts]] + carries, carries)
 
@@ -468,7 +316,7 @@ def while_loop(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 def cond(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """A branch's result of an operand's shape keeps that operand's sharding (a cond that
     updates its operands); the branch index and everything else stay whole."""
-    fs = _Factors()
+    fs = Factors()
     operands: list[Dims] = [tuple(None for _ in s) for s in ins]
     results: list[Dims] = []
     for shape in outs:
