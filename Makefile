@@ -1,11 +1,12 @@
-# `make run`: the example on 8 simulated CPU devices; `make test`: the test suite.
-# Both create .venv and install the project (with its test extra) on first use.
+# `make run`: the example on 8 simulated CPU devices; `make test`: the test suite;
+# `make fuzz`: the long fuzzing run.
+# Each creates .venv and installs the project (with its test extra) on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test fuzz bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +19,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Property-based fuzzing, long profile: 200 random steps, meshes and searches (tests/test_fuzz.py).
+fuzz: $(STAMP)
+	AUTOPAR_FUZZ=long $(PY) -m pytest -q -s tests/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache plans
