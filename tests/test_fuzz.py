@@ -1,0 +1,211 @@
+"""Property-based fuzzing: random small train steps, random meshes, random searches.
+
+For every drawn case (a model from fuzz_models.specs(), a mesh of one to three axes over the 8
+devices, one of the three searches, maybe a batch annotation), two train steps run
+single-device under jax.jit and sharded under autopar.auto_parallel, each from a fresh copy of
+the same state. The property: either
+autopar refuses the case with an AutoparError, or the sharded run trains as one device does
+(losses within rtol, the state within a global relative error). Anything else, any other
+exception included, is a failure. An AutoparWarning (an operator replicated for lack of a rule)
+is allowed and counted.
+
+Profiles, chosen by the AUTOPAR_FUZZ environment variable:
+- "fast" (default, part of `make test`): three explicit cases (one per search) and five drawn
+  ones, about a minute and a half.
+- "long" (`make fuzz`): 200 examples. It does not stop at the first failure: every failing case
+  is recorded and the test fails at the end listing them all, each with the Spec, mesh and
+  search that rebuild it (`fuzz_models.build(Spec(...))`).
+
+Neither profile shrinks: a shrink step recompiles a case (seconds each), and the drawn models
+are small already. Every case is appended to .pytest_cache/autopar_fuzz/cases-<profile>.jsonl
+(outcome, errors measured, seconds), and a summary line is printed at the end (visible with -s)
+and written to summary-<profile>.json beside it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+import traceback
+import warnings
+from collections import Counter
+
+import jax
+import numpy as np
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import autopar
+import fuzz_models
+from fuzz_models import Spec
+from helpers import copy_tree, global_relative_error, run_steps
+
+STEPS = 2
+SEARCHES = ("dynamic_programming", "recursive_programming", "sharding_propagation")
+# One to three axes over the 8 devices; a size-1 axis and a mesh using half the devices too.
+MESHES = ({"a": 8}, {"a": 2, "b": 4}, {"a": 4, "b": 2}, {"a": 2, "b": 2, "c": 2},
+          {"a": 1, "b": 8}, {"a": 2, "b": 1, "c": 4}, {"a": 4})
+
+# float32: reductions split over devices change only the summation order, so losses agree to
+# a few ulps of float32 after two steps (rtol 1e-4 leaves ample room) and the state to far
+# better than 1e-3, while two updates move the state by ~1e-1 of its norm (fuzz_models'
+# learning rates), so a wrong gradient shows.
+# bfloat16 keeps 8 significant bits (a rounding step of 2**-8 = 3.9e-3 relative). bf16
+# parameters (computing in float32) round each update, and bf16 activations round every
+# contraction's result: split over devices, a contraction rounds its partial sums to bf16 before
+# they are all-reduced, so a result differs from one device's by an ulp or two. Measured
+# differences reach ~3e-4 on the losses and ~2e-3 on the state; a loss tolerance of about one
+# ulp and a state tolerance of about a tenth of the smallest update allow that and still catch
+# a wrong gradient.
+TOLERANCES = {False: (1e-4, 1e-3), True: (5e-3, 1e-2)}  # uses_bf16 -> (loss rtol, state)
+
+PROFILE = os.environ.get("AUTOPAR_FUZZ", "fast")
+_COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               phases=[Phase.explicit, Phase.generate])
+settings.register_profile("fast", max_examples=5, **_COMMON)
+settings.register_profile("long", max_examples=200, **_COMMON)
+if PROFILE not in ("fast", "long"):
+    raise ValueError(f"AUTOPAR_FUZZ={PROFILE!r}: use 'fast' or 'long'")
+KEEP_GOING = PROFILE == "long"
+
+LOG_DIR = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "autopar_fuzz"
+
+
+class CaseFailure(AssertionError):
+    """A drawn case broke the property."""
+
+
+@st.composite
+def settings_for_case(draw) -> tuple[dict[str, int], str, str | None]:
+    """(mesh, search, batch axis): the axis that the batch's data and labels are annotated
+    to be split over, or None. sharding_propagation spreads annotations and refuses a step
+    without any, so it always gets one; the other searches get one half the time."""
+    mesh = draw(st.sampled_from(MESHES))
+    search = draw(st.sampled_from(SEARCHES))
+    axis = None
+    if search == "sharding_propagation" or draw(st.booleans()):
+        axis = draw(st.sampled_from(list(mesh)))
+    return mesh, search, axis
+
+
+def annotations_for(axis: str | None) -> dict | None:
+    # Only the data and labels: the dropout key (when present) is no batch.
+    return None if axis is None else {r"^batch/(inputs|targets)$": P(axis)}
+
+
+def check_case(spec: fuzz_models.Spec, mesh: dict[str, int], search: str,
+               axis: str | None = None) -> dict:
+    """Run one case; return its record, raising CaseFailure if the property fails."""
+    record = {"spec": repr(spec), "mesh": mesh, "search": search, "batch_axis": axis}
+    step, state, batch = fuzz_models.build(spec)
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), batch, STEPS)
+    assert np.all(np.isfinite(ref_losses)), f"the grammar drew a diverging model: {ref_losses}"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", autopar.AutoparWarning)
+            sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), search=search,
+                                            annotations=annotations_for(axis))
+            new_state, losses = run_steps(sharded, copy_tree(state), batch, STEPS)
+    except autopar.AutoparError as e:
+        return record | {"outcome": "autopar_error", "error": str(e).splitlines()[0]}
+    except Exception as e:  # noqa: BLE001 - anything but an AutoparError breaks the property
+        raise CaseFailure(f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+    fallbacks = [str(w.message).splitlines()[0] for w in caught
+                 if issubclass(w.category, autopar.AutoparWarning)]
+    loss_rtol, state_tol = TOLERANCES[spec.uses_bf16]
+    loss_err = float(np.max(np.abs(np.subtract(losses, ref_losses)) / np.abs(ref_losses)))
+    state_err = global_relative_error(ref_state, new_state)
+    # How far training moved the state: the state tolerance is meaningful only well below it.
+    update = global_relative_error(state, ref_state)
+    record |= {"outcome": "warned" if fallbacks else "ok", "warnings": fallbacks,
+               "loss_err": loss_err, "state_err": state_err, "update": update}
+    problems = []
+    if not loss_err <= loss_rtol:
+        problems.append(f"losses {losses} vs single-device {ref_losses} "
+                        f"(relative error {loss_err:.2e} > {loss_rtol:g})")
+    if not state_err <= state_tol:
+        problems.append(f"state differs from single-device by {state_err:.2e} > {state_tol:g}")
+    if problems:
+        raise CaseFailure("; ".join(problems))
+    return record
+
+
+class Summary:
+    """Counts and the per-case log of one test run."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.failures: list[str] = []
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log = open(LOG_DIR / f"cases-{PROFILE}.jsonl", "w")
+        self.start = time.perf_counter()
+
+    def add(self, record: dict) -> None:
+        self.counts[record["outcome"]] += 1
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+
+    def line(self) -> str:
+        total = sum(n for k, n in self.counts.items() if k != "repeated")
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+        return (f"autopar fuzz ({PROFILE}): {total} cases in "
+                f"{time.perf_counter() - self.start:.0f} s: {parts}")
+
+    def close(self) -> None:
+        self.log.close()
+        (LOG_DIR / f"summary-{PROFILE}.json").write_text(json.dumps(
+            {"profile": PROFILE, "counts": self.counts, "failures": self.failures}, indent=1))
+
+
+def test_fuzz_matches_single_device():
+    summary = Summary()
+    seen = set()
+
+    @settings.get_profile(PROFILE)
+    @given(spec=fuzz_models.specs(), case=settings_for_case())
+    @example(spec=Spec(batch=16, seq=8, width=16, heads=4, inputs="tokens",
+                       blocks=("einsum_attention", "dense"), norm="layer", dropout=True,
+                       stack="nn_scan", head="tied", optimizer="adamw"),
+             case=({"a": 2, "b": 4}, "sharding_propagation", "a"))
+    @example(spec=Spec(batch=8, width=8, inputs="image", strided=True, blocks=("mixer",),
+                       remat=True, lax_scan=True, pool="max", dtype="bf16_compute"),
+             case=({"a": 2, "b": 2, "c": 2}, "dynamic_programming", None))
+    @example(spec=Spec(batch=16, seq=4, width=32, heads=2, blocks=("attention", "heads"),
+                       norm="rms", pool="mean", head="regression", dtype="bf16_params",
+                       optimizer="adamw"),
+             case=({"a": 1, "b": 8}, "recursive_programming", "b"))
+    def prop(spec, case):
+        mesh, search, axis = case
+        key = (spec, tuple(mesh.items()), search, axis)
+        if key in seen:  # hypothesis may draw a passed case again; it would only cost time
+            summary.counts["repeated"] += 1
+            return
+        t0 = time.perf_counter()
+        try:
+            record = check_case(spec, mesh, search, axis)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            detail = str(e) if len(str(e)) < 6000 else f"{str(e)[:2000]}\n...\n{str(e)[-4000:]}"
+            summary.add({"spec": repr(spec), "mesh": mesh, "search": search, "batch_axis": axis,
+                         "outcome": "failed", "error": first, "detail": detail,
+                         "seconds": round(time.perf_counter() - t0, 1)})
+            if not KEEP_GOING:
+                raise  # and hypothesis replays this case to report it: it must fail again
+            seen.add(key)
+            summary.failures.append(f"check_case({spec!r}, {mesh}, {search!r}, {axis!r}):\n"
+                                    f"    {type(e).__name__}: {first}")
+            return
+        seen.add(key)
+        summary.add(record | {"seconds": round(time.perf_counter() - t0, 1)})
+
+    try:
+        prop()
+    finally:
+        print("\n" + summary.line())
+        summary.close()
+    if summary.failures:
+        raise AssertionError(f"{len(summary.failures)} failing cases:\n" +
+                             "\n".join(summary.failures))
