@@ -22,7 +22,7 @@ from autopar.layers import TIED_SPACE
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.problem import (Problem, Unit, build_problem, kept_problem, main_operand,
-                             make_units)
+                             make_units, untied_node_count)
 from autopar.recursive import merged_within, rounds_within, solve_recursive
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace import trace
@@ -110,19 +110,20 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
         problem, solution = _propagate(full(), pinned)
         space = "propagation from the annotations"
     else:
-        problem = full()
-        fits = search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT
-        tied = tied_units(problem, graph)
-        if fits and tied and len(problem.roots) + tied <= UNTIED_NODE_LIMIT:
+        problem = None
+        if (any(unit.tie is not None for unit in units)
+                and untied_node_count(graph, units, pinned or {}) <= UNTIED_NODE_LIMIT):
             # Small enough to search without the ties, where its exact tables fit: the answer
-            # is then the optimum over every plan, not only those that repeat layers. Not
-            # tried where the tied problem's tables do not fit: untying adds nodes, and on the
-            # meshes measured the untied problem was then too wide as well.
+            # is then the optimum over every plan, not only those that repeat layers. Built
+            # first, so that the tied problem is built only where the untied one is too wide.
             untied = kept_problem(problems, "untied", lambda: build_problem(
                 graph, mesh, hw, pinned, tie_layers=False, units=units)
                 ).priced(graph, mesh, memory_weight)
             if search.largest_table(untied.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
                 problem = untied
+        if problem is None:
+            problem = full()
+        fits = search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT
         if fits:
             solution, space = search.solve(problem.graph, backend,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"

@@ -288,6 +288,19 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     return node_of, choices, roots
 
 
+def untied_node_count(graph: OpGraph, units: list[Unit], pinned: dict[int, Spec]) -> int:
+    """Nodes of the problem built without ties, counted without building it: as in _group,
+    a unit is a node of its own where its result is pinned or it has no earlier producer."""
+    producer = {t: u for u, unit in enumerate(units) for t in unit.outputs}
+    count = 0
+    for u, unit in enumerate(units):
+        main = main_operand(unit, graph)
+        source = producer.get(unit.inputs[main]) if main is not None else None
+        pinned_here = bool(unit.outputs) and unit.outputs[0] in pinned
+        count += pinned_here or source is None or source >= u
+    return count
+
+
 def pinned_strategy(rule: Rule, mesh: MeshShape, spec: Spec) -> Strategy:
     """The strategy of a one-result rule whose result has `spec` (checked by annotate)."""
     dims = rule.results[0]
