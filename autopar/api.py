@@ -21,8 +21,8 @@ from autopar.lower import jit_step
 from autopar.memory import mib, parse_bytes
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
 from autopar.plan import Plan, load_plan
-from autopar.planner import BACKENDS, Decisions, assemble, plan_step
-from autopar.rules.factors import to_partition_spec
+from autopar.planner import BACKENDS, Decisions, assemble, output_specs, plan_step
+from autopar.rules.factors import Spec, to_partition_spec
 from autopar.saved import decisions_from_plan
 from autopar.trace import trace
 
@@ -153,6 +153,22 @@ def _check_backend(search: str) -> None:
         raise AutoparError(f"unknown search {search!r}. Fix: use one of {list(BACKENDS)}.")
 
 
+@dataclasses.dataclass
+class _Signature:
+    """One call signature's graph, decisions, executable and mesh. Its Plan is made when first
+    asked for: a saved plan's step runs without it."""
+    graph: OpGraph
+    decisions: Decisions
+    jitted: Any
+    mesh: Mesh
+    out_tree: Any
+    make_plan: Callable[[], Plan]
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        return self.make_plan()
+
+
 class AutoParallel:
     """A step function with its plans and executables, one per input signature."""
 
@@ -166,22 +182,21 @@ class AutoParallel:
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
         if saved is not None and not isinstance(mesh, Mesh):
             self.requested = mesh_shape(dict(saved.mesh))
-        self._cache: dict[Any, tuple[OpGraph, Decisions, Plan, Any, Mesh]] = {}
+        self._cache: dict[Any, _Signature] = {}
         self._called: set[Any] = set()  # signatures whose executable exists
         functools.update_wrapper(self, fn)
 
     def _call(self, args: tuple, kwargs: dict) -> Call:
         return Call(self.fn, self.conventions, args, kwargs)
 
-    def _compiled(self, call: Call, key: Any = None
-                  ) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
+    def _compiled(self, call: Call, key: Any = None) -> _Signature:
         key = call.key() if key is None else key
         if key not in self._cache:
             with young_objects_only():
                 self._cache[key] = self._make(call)
         return self._cache[key]
 
-    def _make(self, call: Call) -> tuple[OpGraph, Decisions, Plan, Any, Mesh]:
+    def _make(self, call: Call) -> _Signature:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
         fn, args = call.step(), call.abstract()
         requested = self.requested
@@ -189,10 +204,14 @@ class AutoParallel:
         if self.saved is not None:
             graph, in_tree, out_shape = trace(fn, args, call.donated)
             decisions = decisions_from_plan(graph, self.saved, shape)
-            p = assemble(graph, decisions, shape, self.hw, self.saved.backend,
-                         dict(self.saved.search_stats), in_tree,
-                         jax.tree_util.tree_structure(out_shape))
-            return (graph, decisions, p, *self._jitted(graph, decisions, p))
+            out_tree = jax.tree_util.tree_structure(out_shape)
+            # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
+            # running the step needs the decisions alone.
+            assembled = functools.partial(
+                assemble, graph, decisions, shape, self.hw, self.saved.backend,
+                dict(self.saved.search_stats), in_tree, out_tree)
+            return self._signature(graph, decisions, dict(self.saved.mesh),
+                                   output_specs(graph, decisions), out_tree, assembled)
         limit = self.memory_limit
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
@@ -206,7 +225,8 @@ class AutoParallel:
                     f"the plan estimated to fit memory_limit={mib(self.memory_limit)} compiled "
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
                     f"{e}") from e
-            jitted, mesh = self._jitted(graph, decisions, p)
+            made = self._signature(graph, decisions, dict(p.mesh),
+                                   [t.spec for t in p.outputs], p.out_tree, lambda p=p: p)
             if not check and "memory_price_s_per_byte" in p.search_stats:
                 unbudgeted = self._unbudgeted(call, shape)
                 if unbudgeted is not None:
@@ -215,9 +235,11 @@ class AutoParallel:
                 break
             # Close to the limit the estimate's error could decide, and after a plan did not
             # fit it has: XLA's own figure does.
-            compiled = compiled_memory_bytes(jitted.lower(*_abstract(call.leaves)).compile())
+            compiled = compiled_memory_bytes(
+                made.jitted.lower(*_abstract(call.leaves)).compile())
             p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
                                     search_stats={**p.search_stats, "compile_checks": check + 1})
+            made.make_plan = lambda p=p: p
             if compiled <= self.memory_limit:
                 break
             if check == COMPILE_CHECKS:
@@ -230,10 +252,9 @@ class AutoParallel:
             # Plan for the estimate that, off by as much as this one, would fit.
             estimate = p.cost["peak_memory_bytes"]
             limit = min(limit - 1, int(self.memory_limit * estimate / compiled))
-        return graph, decisions, p, jitted, mesh
+        return made
 
-    def _unbudgeted(self, call: Call, shape: MeshShape | int
-                    ) -> tuple[OpGraph, Decisions, Plan, Any, Mesh] | None:
+    def _unbudgeted(self, call: Call, shape: MeshShape | int) -> _Signature | None:
         """The plan made without a memory limit, where XLA's own figure puts it within the
         limit. The budget acts on the estimate, whose error near the limit goes either way: a
         plan estimated a little over the limit may compile within it, and it is faster than
@@ -244,47 +265,53 @@ class AutoParallel:
                                         self.search, self.annotations, None, call.donated)
         if CHECK_BAND * p.cost["peak_memory_bytes"] > self.memory_limit:
             return None
-        jitted, mesh = self._jitted(graph, decisions, p)
-        compiled = compiled_memory_bytes(jitted.lower(*_abstract(call.leaves)).compile())
+        made = self._signature(graph, decisions, dict(p.mesh), [t.spec for t in p.outputs],
+                               p.out_tree, lambda: p)
+        compiled = compiled_memory_bytes(made.jitted.lower(*_abstract(call.leaves)).compile())
         if compiled > self.memory_limit:
             return None
         p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled,
                                            "limit_bytes": self.memory_limit},
                                 search_stats={**p.search_stats, "compile_checks": 1})
-        return graph, decisions, p, jitted, mesh
+        made.make_plan = lambda: p
+        return made
 
-    def _jitted(self, graph: OpGraph, decisions: Decisions, p: Plan) -> tuple[Any, Mesh]:
-        """The jitted step of `decisions`, and the mesh it runs on."""
+    def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],
+                   out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan]
+                   ) -> _Signature:
+        """The jitted step of `decisions` on the mesh of `axes` (the requested Mesh itself
+        where one was given)."""
         requested = self.requested
-        mesh = requested if isinstance(requested, Mesh) else make_mesh(dict(p.mesh))
-        return jit_step(graph, decisions, mesh, [t.spec for t in p.outputs]), mesh
+        mesh = requested if isinstance(requested, Mesh) else make_mesh(axes)
+        return _Signature(graph, decisions, jit_step(graph, decisions, mesh, out_specs), mesh,
+                          out_tree, make_plan)
 
     def mesh(self, *args: Any, **kwargs: Any) -> Mesh:
         """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
-        return self._compiled(self._call(args, kwargs))[4]
+        return self._compiled(self._call(args, kwargs)).mesh
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self._call(args, kwargs)
         key = call.key()
-        graph, decisions, p, jitted, mesh = self._compiled(call, key)
-        placed = _place(call.leaves, [NamedSharding(mesh, to_partition_spec(s))
-                                      for s in decisions.inputs], call.donated)
+        made = self._compiled(call, key)
+        placed = _place(call.leaves, [NamedSharding(made.mesh, to_partition_spec(s))
+                                      for s in made.decisions.inputs], call.donated)
         if key in self._called:
-            outs = jitted(*placed)
+            outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
             with young_objects_only():
-                outs = jitted(*placed)
+                outs = made.jitted(*placed)
             self._called.add(key)
-        return jax.tree_util.tree_unflatten(p.out_tree, outs)
+        return jax.tree_util.tree_unflatten(made.out_tree, outs)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStruct); nothing is run."""
-        return self._compiled(self._call(args, kwargs))[2]
+        return self._compiled(self._call(args, kwargs)).plan
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
         call = self._call(args, kwargs)
-        jitted = self._compiled(call)[3]
+        jitted = self._compiled(call).jitted
         with young_objects_only():  # traces the planned program
             return jitted.lower(*_abstract(call.leaves))
 

@@ -283,21 +283,16 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
             op.id, op.primitive, op.source, tuple(tensors[t].shape for t in op.inputs),
             tuple(tensors[t].shape for t in op.outputs), st.in_specs, st.out_specs,
             st.partial_axes, c, m, op.scope, op.backward))
-    out_specs = []
-    for k, t in enumerate(graph.outputs):
+    out_specs = output_specs(graph, decisions, specs)
+    for k, (t, final) in enumerate(zip(graph.outputs, out_specs)):
         spec = specs.get(t, replicated(len(tensors[t].shape)))
-        if k in graph.state_pairs:  # returned in the sharding it arrived in
+        if spec != final:  # the state, returned in the sharding it arrived in
             t_in = graph.inputs[graph.state_pairs[k]]
-            final = decisions.inputs[graph.state_pairs[k]]
-            if spec != final:
-                move = reshard_time(tensors[t], spec, final, mesh, hw)
-                count(reshard_collectives(tensors[t], spec, final, mesh))
-                comm += move
-                moves.append(Redistribution(f"returning the state {name(t_in)}", name(t),
-                                            tensors[t].shape, spec, final, move,
-                                            t_in in pinned))
-            spec = final
-        out_specs.append(spec)
+            move = reshard_time(tensors[t], spec, final, mesh, hw)
+            count(reshard_collectives(tensors[t], spec, final, mesh))
+            comm += move
+            moves.append(Redistribution(f"returning the state {name(t_in)}", name(t),
+                                        tensors[t].shape, spec, final, move, t_in in pinned))
 
     def tensor_plans(ids: Sequence[int], spec_list: Sequence[Spec]) -> tuple[TensorPlan, ...]:
         return tuple(TensorPlan(tensors[t].path or f"tensor {t}", tensors[t].shape,
@@ -313,6 +308,20 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
                 tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
                 tuple(moves), in_tree, out_tree, memory_json(memory, memory_limit),
                 recomputed_layers(graph, decisions.recompute))
+
+
+def output_specs(graph: OpGraph, decisions: Decisions,
+                 specs: dict[int, Spec] | None = None) -> list[Spec]:
+    """The sharding each output is returned in: its producer's, except the state, which is
+    returned in the sharding it arrived in (`specs`: decisions.tensor_specs, if at hand)."""
+    specs = decisions.tensor_specs(graph) if specs is None else specs
+    out = []
+    for k, t in enumerate(graph.outputs):
+        if k in graph.state_pairs:
+            out.append(decisions.inputs[graph.state_pairs[k]])
+        else:
+            out.append(specs.get(t, replicated(len(graph.tensors[t].shape))))
+    return out
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,

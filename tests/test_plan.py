@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar.plan import Repeat
 from autopar.plan_json import collapse, expand
-from helpers import check_against_single_device, copy_tree
+from helpers import check_against_single_device, copy_tree, global_relative_error
 
 
 def abstract(tree):
@@ -63,6 +63,25 @@ def test_saved_plan_is_reused_without_search(tmp_path):
     reused = check_against_single_device(step, state, batch, mesh, plan=loaded)
     assert reused.specs == plan.specs
     assert [o.in_specs for o in reused.ops] == [o.in_specs for o in plan.ops]
+
+
+def test_saved_plan_runs_without_assembling_its_plan(monkeypatch):
+    """A saved plan's step needs its decisions alone: costs, memory and per-operator detail
+    are assembled only when the plan is asked for."""
+    step, state, batch = models.mlp_setup()
+    mesh = autopar.make_mesh({"data": 2, "model": 4})
+    saved = autopar.Plan.from_json(autopar.plan(step, state, batch, mesh=mesh).to_json())
+    assembled = []
+    real = autopar.api.assemble
+    monkeypatch.setattr(autopar.api, "assemble",
+                        lambda *a, **k: assembled.append(1) or real(*a, **k))
+    stepper = autopar.auto_parallel(step, mesh=mesh, plan=saved)
+    ref_state, ref_loss = jax.jit(step)(copy_tree(state), batch)
+    new_state, loss = stepper(copy_tree(state), batch)
+    assert not assembled
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert global_relative_error(ref_state, new_state) < 1e-5
+    assert stepper.plan(state, batch).specs == saved.specs and assembled == [1]
 
 
 def test_plan_option_takes_a_saved_plans_path(tmp_path):
