@@ -3,14 +3,14 @@
 Decorate an ordinary single-device step with `auto_parallel(mesh=...)` and it runs sharded over
 the mesh, with a strategy chosen by search under a cost model, readable as a `Plan`.
 """
-from autopar.annotate import shard
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.cost.hardware import PROFILES, Hardware, measure_host
+from autopar.cost.judge import Evaluation, evaluate
 from autopar.errors import AutoparError
-from autopar.judge import Evaluation, evaluate
 from autopar.mesh import make_mesh
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
-from autopar.problem import AutoparWarning
+from autopar.planning.problem import AutoparWarning
+from autopar.trace.shard import shard
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "PROFILES", "Hardware",
            "measure_host", "AutoparError", "Evaluation", "evaluate", "AutoparWarning", "make_mesh", "OpDecision", "Plan",

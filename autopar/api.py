@@ -10,21 +10,23 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.annotate import Annotations, check_annotations_type
 from autopar.calling import Call, Conventions
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
+from autopar.cost.hlo import compiled_memory_bytes
+from autopar.cost.memory import mib, parse_bytes
 from autopar.errors import AutoparError
-from autopar.hlo import compiled_memory_bytes
-from autopar.ir import OpGraph
 from autopar.lower import jit_step
-from autopar.memory import mib, parse_bytes
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
-from autopar.plan import Plan, load_plan
-from autopar.planner import BACKENDS, Decisions, assemble, output_specs, plan_step
+from autopar.plan import Decisions, Plan, load_plan
+from autopar.planning.assemble import assemble, output_specs
+from autopar.planning.pins import Annotations, check_annotations_type
+from autopar.planning.pipeline import plan_step
+from autopar.planning.saved import decisions_from_plan
+from autopar.planning.solve import BACKENDS
 from autopar.rules.factors import Spec, to_partition_spec
-from autopar.saved import decisions_from_plan
-from autopar.trace import trace
+from autopar.trace.ir import OpGraph
+from autopar.trace.tracer import trace
 
 # A plan whose estimated peak is within the estimate's error of memory_limit (about 15% against
 # XLA's memory_analysis, docs/decisions.md) is compiled before it is used, and planned again for

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from autopar.errors import AutoparError, collect_errors
-from autopar.trace import argument_names, path_to_str
+from autopar.trace.tracer import argument_names, path_to_str
 
 
 @dataclasses.dataclass(frozen=True)

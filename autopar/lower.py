@@ -33,11 +33,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.cost.model import partial_split
-from autopar.ir import OpGraph
-from autopar.memory import backward_steps, recomputed_layer_of
-from autopar.planner import Decisions
+from autopar.plan import Decisions
 from autopar.rules.factors import Spec, to_partition_spec
 from autopar.rules.table import ELEMENTWISE
+from autopar.trace.analysis import backward_steps, recomputed_layer_of
+from autopar.trace.ir import OpGraph
 
 
 def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,

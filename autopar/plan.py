@@ -12,7 +12,24 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.rules.factors import Spec, to_partition_spec
+from autopar.rules.factors import Spec, Strategy, to_partition_spec
+from autopar.trace.ir import OpGraph
+
+
+@dataclass
+class Decisions:
+    """The sharding of every input and the strategy of every op: what lowering needs."""
+
+    inputs: list[Spec]  # per graph input
+    ops: list[Strategy]  # per op id
+    recompute: frozenset[int] = frozenset()  # forward program steps the backward recomputes
+
+    def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
+        """The sharding each tensor has when produced."""
+        specs = {t: s for t, s in zip(graph.inputs, self.inputs)}
+        for op, st in zip(graph.ops, self.ops):
+            specs.update(zip(op.outputs, st.out_specs))
+        return specs
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,7 @@ class Plan:
     redistributions: tuple[Redistribution, ...] = ()
     in_tree: Any = field(default=None, compare=False, hash=False, repr=False)
     out_tree: Any = field(default=None, compare=False, hash=False, repr=False)
-    # the memory estimate per device (autopar.memory): peak_bytes, at_peak by kind, where,
+    # the memory estimate per device (autopar.cost.memory): peak_bytes, at_peak by kind, where,
     # the largest buffers then, and the limit planned for
     memory: dict[str, Any] = field(hash=False, default_factory=dict)
     recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
@@ -134,7 +151,7 @@ class Plan:
     @functools.cached_property
     def decisions(self) -> tuple[Decision | Repeat, ...]:
         """The deciding operators' strategies, repeated layers as Repeats (saved.py)."""
-        from autopar.saved import compact_decisions
+        from autopar.planning.saved import compact_decisions
         return self.decided or compact_decisions(self.ops)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -239,8 +256,8 @@ def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:
 def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
     """(path or pattern, tensor) rows: tensors whose paths differ only in their numbers and
     that agree in shape, dtype and spec are one row, block_{0..3}/... (plan_json.collapse)."""
-    from autopar.layers import layer_key
     from autopar.plan_json import collapse
+    from autopar.trace.layers import layer_key
     groups: dict[tuple, list[TensorPlan]] = defaultdict(list)
     for t in tensors:
         groups[(layer_key(t.path), t.shape, t.dtype, t.spec, t.bytes_per_device)].append(t)

@@ -21,9 +21,9 @@ from dataclasses import asdict
 from typing import Any, Sequence
 
 from autopar.errors import AutoparError
-from autopar.layers import layer_key
 from autopar.plan import Decision, OpDecision, Redistribution, Repeat, TensorPlan
 from autopar.rules.factors import Spec
+from autopar.trace.layers import layer_key
 
 FORMAT_VERSION = 2
 READS = (1, 2)  # version 1: specs as lists of axis lists, every operator in `ops`

@@ -2,7 +2,7 @@
 
 Suites: `quality` (our plans against what experts write with `jax.jit` shardings, for realistic
 and small models, each program compiled for 8 simulated devices and judged on GPU and TPU
-profiles by `autopar.judge`), `fidelity` (the cost model's estimates against what XLA compiled,
+profiles by `autopar.evaluate`), `fidelity` (the cost model's estimates against what XLA compiled,
 with pinned baselines, for small models run on the simulated devices), `propagation`
 (annotations spread by sharding_propagation against the search), `planning` (search time and
 quality at depth and scale, first call against jax.jit) and `memory` (plans for shrinking memory

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from autopar.trace import path_to_str
+from autopar.trace.tracer import path_to_str
 
 M = "M"  # in a rule: the tensor-parallel axes
 

@@ -15,20 +15,21 @@ import statistics
 import time
 from typing import Any, Callable
 
+import architectures
 import jax
+import models
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import architectures
-import models
-from autopar.annotate import resolve
 from autopar.cost.hardware import get_profile
-from autopar.hlo import collective_bytes, compiled_memory_bytes
+from autopar.cost.hlo import collective_bytes, compiled_memory_bytes
 from autopar.lower import jit_step
 from autopar.mesh import make_mesh, mesh_shape
-from autopar.planner import assemble, solve
+from autopar.planning.assemble import assemble
+from autopar.planning.pins import resolve
+from autopar.planning.solve import solve
 from autopar.rules.factors import to_partition_spec
-from autopar.trace import trace
+from autopar.trace.tracer import trace
 from benchmarks.baselines import KINDS, baseline_annotations
 
 # name -> (setup taking a scale factor for batch and width, rule family)

@@ -12,12 +12,12 @@ import time
 from typing import Any, Callable
 
 import jax
+import models
 
 import autopar
-import models
+from autopar.cost.hlo import compiled_memory_bytes
+from autopar.cost.memory import mib
 from autopar.errors import AutoparError
-from autopar.hlo import compiled_memory_bytes
-from autopar.memory import mib
 
 # Links slow against compute: unconstrained, the search keeps the state replicated (plain data
 # parallel or less), so each shrinking budget shows what memory alone makes it shard.

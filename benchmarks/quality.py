@@ -6,7 +6,7 @@ For each model (`zoo.py`: realistic widths from abstract inputs, and small model
   ShapeDtypeStructs and compiled (a plan per profile: the search prices that profile);
 - every expert of `experts.py` that applies: plain `jax.jit` with in/out shardings from
   logical-axis rules, XLA propagating the rest; compiled once per mesh.
-Every compiled program is judged by `autopar.judge.evaluate` on each profile: per-device flops
+Every compiled program is judged by `autopar.evaluate` on each profile: per-device flops
 and bytes as a roofline, each collective of the HLO on the link of the mesh axes it spans, and
 the compiled memory. Realistic models are compiled, never run. Small models are also run once on
 the simulated devices, to check each program's loss and new state against one device's; their
@@ -27,8 +27,8 @@ import numpy as np
 
 import autopar
 from autopar.cost.hardware import get_profile
+from autopar.cost.judge import Evaluation, evaluate
 from autopar.errors import AutoparError
-from autopar.judge import Evaluation, evaluate
 from benchmarks import experts
 from benchmarks.zoo import ZOO, Case
 

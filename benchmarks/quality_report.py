@@ -157,7 +157,7 @@ def _matched_table(matched: list[dict]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     rows = result["quality"]
     heads = headlines(rows)
-    intro = ["Programs compiled for 8 simulated CPU devices and judged by `autopar.judge."
+    intro = ["Programs compiled for 8 simulated CPU devices and judged by `autopar."
              "evaluate` on each profile (roofline compute from cost_analysis, each collective "
              "of the HLO on the link of the axes it spans, compiled memory). Experts: `jax.jit` "
              "with in/out shardings from logical-axis rules (`benchmarks/experts.py`). Ratios "

@@ -14,12 +14,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
+import models  # noqa: E402
 
 import autopar  # noqa: E402
-import models  # noqa: E402
 from autopar.cost import get_profile  # noqa: E402
 from autopar.mesh import mesh_shape  # noqa: E402
-from autopar.planner import data_parallel_plan  # noqa: E402
+from autopar.planning.pipeline import data_parallel_plan
 
 
 def main() -> None:

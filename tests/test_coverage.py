@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_flax_examples as flax_examples
 from flax import nnx
 from flax.training import common_utils, train_state
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, jaxprs_in_params
 
-import test_flax_examples as flax_examples
 from autopar.rules.table import RULES, rule_for
-from autopar.trace import CALL_PRIMITIVES, trace
+from autopar.trace.tracer import CALL_PRIMITIVES, trace
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
 # Primitives the tracer handles itself: calls are inlined, a scan's body is planned once,

@@ -4,7 +4,7 @@ import models
 import pytest
 
 import autopar
-from autopar.hlo import collective_bytes, collective_counts
+from autopar.cost.hlo import collective_bytes, collective_counts
 
 HLO = """
 ENTRY %main {
@@ -64,10 +64,11 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     the bytes read from the compiled program are the predicted ones."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     from autopar.cost.model import reshard_collectives
-    from autopar.ir import Tensor
     from autopar.mesh import mesh_shape
     from autopar.rules.factors import from_partition_spec
+    from autopar.trace.ir import Tensor
     axes = dict(zip(("data", "model"), sizes))
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(sizes), tuple(axes))
     step = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P(*src)),
@@ -96,10 +97,11 @@ def test_resharding_compiles_to_the_predicted_collectives(sizes, src, dst):
     """The collectives XLA compiles for a resharding are the predicted ones, kind by kind."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     from autopar.cost.model import reshard_collectives
-    from autopar.ir import Tensor
     from autopar.mesh import mesh_shape
     from autopar.rules.factors import from_partition_spec
+    from autopar.trace.ir import Tensor
     axes = dict(zip(("data", "model"), sizes))
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(sizes), tuple(axes))
     target = NamedSharding(mesh, P(*dst))

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
 from autopar.cost.hardware import Hardware, LinkLevel, axis_links, group_link
-from autopar.hlo import collectives, compiled_memory_bytes, device_groups
+from autopar.cost.hlo import collectives, compiled_memory_bytes, device_groups
 from autopar.mesh import MeshShape
 
 # Two levels: the 4 devices of a "node" on fast links, the network between nodes 100x slower.
@@ -144,7 +144,7 @@ def test_gradient_all_reduces_pay_one_latency_as_xla_combines_them():
     replicating the whole step, and the search replicated it (judged twice as slow as plain
     data parallel on h100)."""
     from autopar.cost.model import value_facts
-    from autopar.trace import trace
+    from autopar.trace.tracer import trace
 
     step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
                                           layers=2)

@@ -3,20 +3,22 @@ import json
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
+from helpers import check_against_single_device, copy_tree, global_relative_error
 
 import autopar
-import models
-from autopar import budget
-from autopar.hlo import compiled_memory_bytes
-from autopar.memory import kept_bytes, parse_bytes, updated_in_place
+from autopar.cost.hlo import compiled_memory_bytes
+from autopar.cost.memory import kept_bytes, parse_bytes, updated_in_place
 from autopar.mesh import mesh_shape
+from autopar.planning import budget
+from autopar.planning.assemble import assemble
+from autopar.planning.pipeline import plan_step
+from autopar.planning.problem import make_units
+from autopar.planning.solve import solve
+from autopar.trace.tracer import trace
 from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
-from autopar.planner import assemble, plan_step, solve
-from autopar.problem import make_units
-from autopar.trace import trace
-from helpers import check_against_single_device, copy_tree, global_relative_error
 
 
 def state_leaves(state) -> frozenset[int]:
@@ -115,6 +117,7 @@ def test_estimate_of_a_convolution_net_split_by_channels():
     gathers and transposes as soon as the forward pass makes them and holds until then.
     Without that the estimate read 0.81 of the compiled memory."""
     import architectures
+
     from benchmarks.baselines import baseline_annotations
     step, state, batch = architectures.resnet_setup(batch=16, size=16, channels=(32, 64))
     graph = trace(step, (state, batch))[0]
@@ -130,7 +133,7 @@ def test_buffers_go_into_freed_allocations_largest_first_after_the_copy():
     """Two donated inputs of 64 bytes, copied at times 0 and 1 and free from the time after
     their copy to 10: the first copy fits no allocation freed before it; the second goes into
     the first input's; a small buffer then into the second's, the first being taken then."""
-    from autopar.xla_buffers import placed_in_donated
+    from autopar.cost.xla.cpu import placed_in_donated
     buffers = [(0, 8, 64), (1, 9, 64), (3, 4, 16), (2, 11, 8)]  # the last outlives both
     assert placed_in_donated(buffers, [(64, 1, 10), (64, 2, 10)]) == {1, 2}
 
@@ -145,8 +148,10 @@ def test_dot_operands_are_transposed_where_xla_transposes_them(lhs, rhs, contrac
     """XLA's dot decomposition copies an operand it must reorder in a loop fusion of its own;
     a matrix it reads transposed needs none (the dense layers' weights were counted twice)."""
     import re
+
     from jax import lax
-    from autopar.xla_buffers import _dot_transposes
+
+    from autopar.cost.xla.cpu import _dot_transposes
     dot = jax.jit(lambda x, w: lax.dot_general(x, w, (contracting, ((), ()))))
     text = dot.lower(np.zeros(lhs, np.float32), np.zeros(rhs, np.float32)).compile().as_text()
     copies = len(re.findall(r"fusion\(.*kind=kLoop", text[text.index("ENTRY"):]))
@@ -159,8 +164,9 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     backward pass's dot for the input gradient) is not ordered before the update by data
     dependence, it copies the weight first: the estimate names the same weights."""
     import re
+
     from autopar.cost.hardware import get_profile
-    from autopar.xla_buffers import all_reduce_groups, all_reduce_steps, copied_before_update
+    from autopar.cost.xla.cpu import all_reduce_groups, all_reduce_steps, copied_before_update
     step, state, batch = mlp()
     axes = {"data": 8}
     graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
@@ -196,9 +202,10 @@ def test_resharding_buffers_follow_the_collectives(reader):
     a loop fusion reads it; an all-to-all's pieces sent."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from autopar.xla_buffers import reshard_buffers
-    from autopar.ir import Tensor
+
+    from autopar.cost.xla.cpu import reshard_buffers
     from autopar.rules.factors import from_partition_spec
+    from autopar.trace.ir import Tensor
     axes = {"data": 4, "model": 2}
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), tuple(axes))
     if reader == "dot":  # the contracted dimension stays whole, so the dot needs no more
@@ -237,8 +244,8 @@ def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch
     Allowed no second plan, it says why not. The estimate reads over XLA's figure on this
     model now (under it before: the first plan compiled over the limit), so XLA's figure is
     reported a fifth higher than it is."""
-    from benchmarks.memory import CASES
     from autopar import api
+    from benchmarks.memory import CASES
     compiled_bytes = api.compiled_memory_bytes
     monkeypatch.setattr(api, "compiled_memory_bytes", lambda c: int(1.2 * compiled_bytes(c)))
     step, state, batch = CASES["gpt"]()

@@ -5,12 +5,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from helpers import copy_tree, global_relative_error
+from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.hlo import collectives
-from jax.sharding import PartitionSpec as P
+from autopar.cost.hlo import collectives
 
 
 class BertLayer(nn.Module):

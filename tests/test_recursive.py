@@ -5,10 +5,10 @@ import jax
 import models
 import numpy as np
 import pytest
+from helpers import check_against_single_device
 
 import autopar
 import search
-from helpers import check_against_single_device
 
 
 def abstract(tree):
@@ -118,9 +118,9 @@ def test_rounds_within_the_full_problem_equal_the_recursion(axes):
     building a problem per round: on the GPT it reaches recursive_programming's plan cost."""
     from autopar.cost.hardware import get_profile
     from autopar.mesh import mesh_shape
-    from autopar.problem import build_problem, make_units
-    from autopar.recursive import rounds_within, solve_recursive
-    from autopar.trace import trace
+    from autopar.planning.axes import rounds_within, solve_recursive
+    from autopar.planning.problem import build_problem, make_units
+    from autopar.trace.tracer import trace
     step, state, batch = models.gpt_setup(batch=12, seq=8)
     graph = trace(step, (state, batch))[0]
     shape, hw = mesh_shape(axes), get_profile(None)

@@ -7,18 +7,18 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import check_against_single_device
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import autopar
-import models
-from autopar.hlo import compiled_memory_bytes
-from autopar.trace import trace
-from helpers import check_against_single_device
+from autopar.cost.hlo import compiled_memory_bytes
+from autopar.trace.tracer import trace
 
 
 class RematGPT(models.GPT):

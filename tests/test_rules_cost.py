@@ -2,15 +2,15 @@
 import math
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from autopar.cost import PROFILES
 from autopar.cost.hardware import Link, group_link
 from autopar.cost.model import (all_gather, all_reduce, all_to_all, op_collectives, op_time,
                                 reshard_time)
-from autopar.ir import Op, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules import enumerate_strategies, follow, rule_for, to_partition_spec
-from jax.sharding import PartitionSpec as P
+from autopar.trace.ir import Op, Tensor
 
 MESH = MeshShape(("data", "model"), (2, 4))
 HW = PROFILES["a100"]
@@ -113,10 +113,10 @@ def test_fused_values_are_the_elementwise_chains_xla_never_writes():
     """A softmax feeding a product: its exp, sum and division stay inside fusions; the
     product's operands, the reduction's result read by a non-fusing reader and the step's
     result are written."""
-    import jax
     import jax.numpy as jnp
+
     from autopar.cost.model import fused_values
-    from autopar.trace import trace
+    from autopar.trace.tracer import trace
 
     def f(x, w):
         e = jnp.exp(x - 1.0)

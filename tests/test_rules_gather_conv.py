@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import check_against_single_device
 from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar import lower
-from autopar.hlo import collective_counts
+from autopar.cost.hlo import collective_counts
 from autopar.mesh import MeshShape
 from autopar.rules import enumerate_strategies, rule_for, strategy
 from autopar.rules.factors import scattered
-from helpers import check_against_single_device
 
 MESH = MeshShape(("data", "model"), (2, 4))
 B, T, V, D = 8, 4, 32, 16

@@ -11,13 +11,13 @@ import pytest
 from helpers import check_against_single_device
 
 import autopar
-from autopar import planner
 from autopar.cost.hardware import get_profile
-from autopar.hlo import collective_counts
-from autopar.layers import TIED_SPACE, instance_classes
+from autopar.cost.hlo import collective_counts
 from autopar.mesh import mesh_shape
-from autopar.problem import build_problem, make_units
-from autopar.trace import trace
+from autopar.planning import solve
+from autopar.planning.problem import build_problem, make_units
+from autopar.trace.layers import TIED_SPACE, instance_classes
+from autopar.trace.tracer import trace
 
 COLUMN, ROW = ((), ("model",)), (("model",), ())  # a (in, out) kernel split on out, on in
 WIDTH = 1024  # weights large against the batch of 8: splitting them beats splitting the batch
@@ -174,7 +174,7 @@ def test_plain_stack_alternates_column_and_row():
 def test_exactness_is_stated_for_the_tied_plans(monkeypatch):
     """Searched with its ties (as a deep model is), the stack still alternates, and the stats
     say the optimum is over plans that repeat layers two apart, not over all plans."""
-    monkeypatch.setattr(planner, "UNTIED_NODE_LIMIT", 0)
+    monkeypatch.setattr(solve, "UNTIED_NODE_LIMIT", 0)
     step, state, batch = stack_setup()
     plan = autopar.plan(step, state, batch, mesh={"model": 8})
     stats = plan.search_stats

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import models
 
-from autopar.trace import trace
+from autopar.trace.tracer import trace
 
 
 def test_paths_and_state_pairs():

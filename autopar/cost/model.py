@@ -13,10 +13,10 @@ import math
 from typing import NamedTuple, Sequence
 
 from autopar.cost.hardware import Hardware, Link, group_link
-from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
 from autopar.rules.table import FUSED, FUSING_READERS
+from autopar.trace.ir import Op, OpGraph, Tensor
 
 
 def group_size(mesh: MeshShape, axes: Sequence[str]) -> int:

@@ -12,22 +12,20 @@ as recorded.
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from typing import Sequence
 
-from autopar.annotate import SHARD_PRIMITIVE
 from autopar.errors import collect_errors
-from autopar.ir import OpGraph
-from autopar.layers import layer_key
-from autopar.memory import layer_steps
 from autopar.mesh import MeshShape
-from autopar.plan import Decision, OpDecision, Plan, Repeat
+from autopar.plan import Decision, Decisions, OpDecision, Plan, Repeat
 from autopar.plan_json import collapse, expand
-from autopar.planner import Decisions
-from autopar.problem import DECIDERS, GROWTH, main_operand, make_units
+from autopar.planning.problem import DECIDERS, GROWTH, main_operand, make_units
 from autopar.rules import Spec, Strategy, enumerate_strategies, follow
 from autopar.rules.factors import canonical
+from autopar.trace.analysis import layer_steps
+from autopar.trace.ir import OpGraph
+from autopar.trace.layers import instance_of, layer_key
+from autopar.trace.shard import SHARD_PRIMITIVE
 
 
 def decides(primitive: str, in_shapes: Sequence[tuple[int, ...]],
@@ -49,19 +47,6 @@ def decides(primitive: str, in_shapes: Sequence[tuple[int, ...]],
     if any(tuple(s) == tuple(out) for s in in_shapes):
         return False
     return any(math.prod(out) >= GROWTH * math.prod(s) for s in in_shapes)
-
-
-_DIGIT = re.compile(r"\d")
-
-
-def instance_of(scope: str) -> str | None:
-    """The layer instance an operator belongs to: its scope up to the first part with a number
-    (`GPT/block_3` for `GPT/block_3/mlp_in`); None outside numbered layers."""
-    parts = scope.split("/")
-    for k, part in enumerate(parts):
-        if _DIGIT.search(part):
-            return "/".join(parts[:k + 1])
-    return None
 
 
 def compact_decisions(ops: Sequence[OpDecision]) -> tuple[Decision | Repeat, ...]:

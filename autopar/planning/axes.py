@@ -17,10 +17,11 @@ import numpy as np
 
 import search
 from autopar.cost.hardware import Hardware
-from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
-from autopar.problem import Extension, Problem, Unit, build_problem, kept_problem, make_units
+from autopar.planning.problem import (Extension, Problem, Unit, build_problem, kept_problem,
+                                      make_units)
 from autopar.rules.factors import Spec
+from autopar.trace.ir import OpGraph
 
 
 def axis_order(mesh: MeshShape) -> list[str]:

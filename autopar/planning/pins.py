@@ -1,9 +1,7 @@
-"""Annotations: the shardings a user fixes, checked and turned into constraints of the search.
+"""Pins: the shardings a user fixes, checked and turned into constraints of the search.
 
-Three sources end in one map, tensor id -> Spec, which every backend treats as fixed:
-- `shard(x, P(...))` in model code: an identity primitive that carries the spec into the jaxpr.
-  Outside autopar it does nothing (it lowers to its operand), under `grad` its cotangent passes
-  through unannotated, under `vmap` the batch dimension is left unsplit.
+Three sources end in one map, tensor id -> Spec, which every search treats as fixed:
+- `autopar.shard(x, P(...))` in model code (autopar.trace.shard): its results.
 - `annotations={regex: P(...)}` over the step's input paths: `re.search`, first match wins, as
   with logical-axis rules.
 - a saved `Plan`, whole or partial (a JSON file with only some inputs): its input specs, by
@@ -16,52 +14,14 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-from jax.extend import source_info_util
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, collect_errors
-from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.plan import Plan
 from autopar.rules.factors import Spec, from_partition_spec
-
-SHARD_PRIMITIVE = "autopar_shard"
-
-# Where a `shard` call is reported: the user's line, not this file's.
-source_info_util.register_exclusion(__file__)
-
-shard_p = Primitive(SHARD_PRIMITIVE)
-shard_p.def_impl(lambda x, *, spec: x)
-shard_p.def_abstract_eval(lambda x, *, spec: x)
-mlir.register_lowering(shard_p, mlir.lower_fun(lambda x, *, spec: x, multiple_results=False))
-# Linear: the tangent is annotated like the primal, the cotangent passes through as it is.
-ad.deflinear2(shard_p, lambda ct, x, *, spec: [ct])
-
-
-def _batch_rule(args: Any, dims: Any, *, spec: PartitionSpec) -> tuple[Any, Any]:
-    (x,), (d,) = args, dims
-    if d is None:  # not mapped
-        return shard_p.bind(x, spec=spec), d
-    entries = list(spec) + [None] * (x.ndim - 1 - len(spec))
-    entries.insert(d, None)
-    return shard_p.bind(x, spec=PartitionSpec(*entries)), d
-
-
-batching.primitive_batchers[shard_p] = _batch_rule
-
-
-def shard(x: Any, spec: PartitionSpec | tuple) -> Any:
-    """Ask for `x` to be sharded as `spec` (a PartitionSpec over the mesh's axis names).
-
-    Inside a step planned by autopar this is a hard constraint on the search; elsewhere it
-    returns `x` unchanged, so model code keeps working on one device.
-    """
-    if not isinstance(spec, PartitionSpec):
-        spec = PartitionSpec(*spec) if isinstance(spec, (tuple, list)) else PartitionSpec(spec)
-    return shard_p.bind(x, spec=spec)
-
+from autopar.trace.ir import OpGraph
+from autopar.trace.shard import SHARD_PRIMITIVE
 
 Annotations = Mapping[str, Any] | Iterable[tuple[str, Any]] | Plan | None
 

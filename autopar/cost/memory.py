@@ -1,7 +1,7 @@
 """Per-device memory of a plan: a liveness walk over the program as XLA will buffer it.
 
 What the walk assumes of XLA (each rule checked against `memory_analysis()` of compiled plans;
-the rules that the program's equations do not show are in autopar.xla_buffers, and
+the rules that the program's equations do not show are in autopar.cost.xla.cpu, and
 docs/decisions.md has the measurements):
 - Chains of elementwise and layout operators fuse into their reader, so their results get no
   buffer of their own, unless a reader cannot fuse them (a dot, a convolution, a loop), the
@@ -35,15 +35,15 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from autopar.cost.model import shard_bytes
+from autopar.cost.xla.cpu import (CHEAP, all_reduce_groups, all_reduce_steps, copied_before_update,
+                                  input_only_steps, placed_in_donated, reshard_buffers,
+                                  scatter_into_sum, schedule, transposed_operands)
 from autopar.errors import AutoparError
-from autopar.ir import OpGraph
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.table import FUSED, FUSING_READERS
-from autopar.xla_buffers import (CHEAP, all_reduce_groups,
-                                 all_reduce_steps, copied_before_update, edges, input_only_steps,
-                                 placed_in_donated, reshard_buffers,
-                                 scatter_into_sum, schedule, transposed_operands)
+from autopar.trace.analysis import backward_steps, edges, recomputed_layer_of, roles
+from autopar.trace.ir import OpGraph
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
@@ -83,53 +83,6 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in self.at_peak.items() if v)
         return f"{mib(self.peak_bytes)} per device at {self.where} ({parts})"
-
-
-@functools.lru_cache(maxsize=4)
-def roles(graph: OpGraph) -> dict[int, str]:
-    """The kind of every input, and of the intermediates that are activations or gradients.
-
-    State inputs read before the backward pass begins are parameters; other state inputs (read
-    only by the update) are optimizer state. Results of the forward pass that the backward pass
-    reads are activations; results of the backward pass read after it are gradients.
-    """
-    backward = [op.id for op in graph.ops if op.backward]
-    first_bwd = backward[0] if backward else len(graph.ops)
-    last_bwd = backward[-1] if backward else -1
-    state = set(graph.state_pairs.values())
-    read_forward: set[int] = set()
-    read_backward: set[int] = set()
-    read_after: set[int] = set()
-    for op in graph.ops:
-        if op.backward:
-            read_backward.update(op.inputs)
-        elif op.id < first_bwd:
-            read_forward.update(op.inputs)
-        elif op.id > last_bwd:
-            read_after.update(op.inputs)
-    out: dict[int, str] = {}
-    for k, t in enumerate(graph.inputs):
-        out[t] = ("other_inputs" if k not in state else
-                  "parameters" if t in read_forward else "optimizer_state")
-    for op in graph.ops:
-        for t in op.outputs:
-            if op.backward and t in read_after:
-                out[t] = "gradients"
-            elif not op.backward and op.id < first_bwd and t in read_backward:
-                out[t] = "activations"
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def backward_steps(graph: OpGraph) -> frozenset[int]:
-    """Program steps that belong to the backward pass."""
-    producer = graph.producers()
-    out = set()
-    for i, step in enumerate(graph.program):
-        ops = [graph.ops[producer[t][0]] for t in step.outputs if t in producer]
-        if ops and ops[0].backward:
-            out.add(i)
-    return frozenset(out)
 
 
 def operand_reshards(graph: OpGraph, decisions: Any) -> dict[tuple[int, int], Spec]:
@@ -461,51 +414,3 @@ def memory_json(m: MemoryEstimate, limit: int | None = None) -> dict[str, Any]:
     return out
 
 
-# -- recompute: the unit is a layer, the scope up to its first numbered name -------------------
-def layer_of(scope: str) -> str | None:
-    """'GPT/block_3' for 'GPT/block_3/mlp_in'; None for a scope with no numbered name."""
-    parts = scope.split("/")
-    for k, part in enumerate(parts):
-        if re.search(r"\d", part):
-            return "/".join(parts[:k + 1])
-    return None
-
-
-@functools.lru_cache(maxsize=4)
-def layer_steps(graph: OpGraph) -> dict[str, tuple[int, ...]]:
-    """The forward program steps of every layer that can be recomputed: plain equations (not
-    loops) before the backward pass, in a numbered scope."""
-    producer = graph.producers()
-    backward = backward_steps(graph)
-    first_bwd = min(backward, default=len(graph.program))
-    out: dict[str, list[int]] = {}
-    for i, step in enumerate(graph.program[:first_bwd]):
-        if step.eqn is None or step.eqn.primitive.name in ("scan", "while", "cond"):
-            continue
-        ops = [graph.ops[producer[t][0]] for t in step.outputs if t in producer]
-        layer = layer_of(ops[0].scope) if ops else None
-        if layer is not None:
-            out.setdefault(layer, []).append(i)
-    return {name: tuple(steps) for name, steps in out.items()}
-
-
-def recomputed_layer_of(graph: OpGraph, steps: Iterable[int]) -> dict[int, str]:
-    """The layer of each recomputed program step (nothing to walk when none is)."""
-    steps = set(steps)
-    if not steps:
-        return {}
-    return {i: name for name, ids in layer_steps(graph).items() for i in ids if i in steps}
-
-
-def recomputed_ops(graph: OpGraph, steps: Iterable[int]) -> set[int]:
-    """The planning ops of the recomputed program steps."""
-    steps = set(steps)
-    if not steps:
-        return set()
-    producer = graph.producers()
-    return {producer[t][0] for i in steps for t in graph.program[i].outputs if t in producer}
-
-
-def recomputed_layers(graph: OpGraph, steps: Iterable[int]) -> tuple[str, ...]:
-    """The recomputed layers, in program order."""
-    return tuple(dict.fromkeys(recomputed_layer_of(graph, steps).values()))

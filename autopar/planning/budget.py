@@ -27,11 +27,12 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+from autopar.cost.memory import kept_bytes, mib, plan_memory
 from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparError
-from autopar.ir import OpGraph
-from autopar.memory import kept_bytes, layer_steps, mib, plan_memory, roles
 from autopar.mesh import MeshShape
+from autopar.trace.analysis import layer_steps, roles
+from autopar.trace.ir import OpGraph
 from search import SearchTooLargeError
 
 RAISES = 12  # price rises of 8x before giving up on prices alone (8**12 ~ 7e10)

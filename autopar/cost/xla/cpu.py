@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.model import group_size, partial_split, reshard_sequence, shard_bytes
-from autopar.ir import OpGraph, Tensor
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.table import FUSED
+from autopar.trace.analysis import ancestors, edges
+from autopar.trace.ir import OpGraph, Tensor
 
 # Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
 # backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
@@ -29,17 +30,6 @@ CHEAP = {
     "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
     "stop_gradient", "sub", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
     "transpose", "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"}
-
-
-@functools.lru_cache(maxsize=4)  # a memory budget estimates one graph under many plans
-def edges(graph: OpGraph) -> tuple[dict[int, int], dict[int, list[int]]]:
-    """Each value's producing program step, and the steps that read it."""
-    producer_step = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
-    readers: dict[int, list[int]] = {}
-    for i, step in enumerate(graph.program):
-        for t in set(step.inputs):
-            readers.setdefault(t, []).append(i)
-    return producer_step, readers
 
 
 def all_reduce_steps(graph: OpGraph, decisions: Any, mesh: MeshShape
@@ -153,21 +143,6 @@ def schedule(graph: OpGraph, groups: list[list[int]], tail: int) -> list[int] | 
     for k, i in enumerate(order):
         place[i] = k
     return place
-
-
-@functools.lru_cache(maxsize=4)  # program-only, like edges
-def ancestors(graph: OpGraph) -> list[int]:
-    """Per program step, the steps it depends on, as a bit set."""
-    producer_step = edges(graph)[0]
-    out: list[int] = []
-    for step in graph.program:
-        bits = 0
-        for t in step.inputs:
-            p = producer_step.get(t)
-            if p is not None:
-                bits |= out[p] | 1 << p
-        out.append(bits)
-    return out
 
 
 def reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape,

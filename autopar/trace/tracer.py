@@ -22,7 +22,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
-from autopar.ir import Op, OpGraph, Step, Tensor
+from autopar.trace.ir import Op, OpGraph, Step, Tensor
 
 # Primitives whose body is inlined: they only group equations, they do not change semantics.
 # JAX 0.10 emits jit, closed_call, call, the custom derivatives' calls (jax.nn.relu, gelu and

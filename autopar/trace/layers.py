@@ -14,12 +14,13 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from autopar.ir import OpGraph
+from autopar.trace.ir import OpGraph
 
 TIE_PERIOD = 2  # instances this many ranks apart along a number share their strategies
 TIED_SPACE = "plans in which instances of a repeated layer two apart share their strategies"
 
 _NUMBER = re.compile(r"\d+")
+_DIGIT = re.compile(r"\d")
 
 
 def layer_key(text: str) -> str:
@@ -93,3 +94,14 @@ def repeated_ties(graph: OpGraph, units: list) -> dict[int, int]:
         else:
             first[key] = u
     return ties
+
+
+def instance_of(scope: str) -> str | None:
+    """The layer instance an operator belongs to: its scope up to the first part with a number
+    (`GPT/block_3` for `GPT/block_3/mlp_in`; its layer is `layer_key` of that); None outside
+    numbered layers. An instance is what a plan recomputes and what a compact plan repeats."""
+    parts = scope.split("/")
+    for k, part in enumerate(parts):
+        if _DIGIT.search(part):
+            return "/".join(parts[:k + 1])
+    return None

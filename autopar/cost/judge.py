@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.hardware import Hardware, get_profile, group_link
+from autopar.cost.hlo import collectives, compiled_memory_bytes
 from autopar.cost.model import collective_time
 from autopar.errors import AutoparError
-from autopar.hlo import collectives, compiled_memory_bytes
 from autopar.mesh import MeshShape, mesh_shape
 
 

@@ -21,13 +21,13 @@ import search
 from autopar.cost.hardware import Hardware
 from autopar.cost.model import (op_signature, op_time, reshard_terms, shard_bytes, value_facts,
                                 weight_gradients)
-from autopar.ir import Op, OpGraph, Tensor
 from autopar.mesh import MeshShape
-from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow,
-                           replicated_rule, rule_for)
+from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
+                           rule_for)
 from autopar.rules.factors import canonical, strategy
-from autopar.layers import repeated_ties
-from autopar.memory import roles
+from autopar.trace.analysis import roles
+from autopar.trace.ir import Op, OpGraph, Tensor
+from autopar.trace.layers import repeated_ties
 
 # Operators that choose their own strategy; every other operator with a rule follows the
 # sharding of its main operand (reductions keep their input's split and all-reduce the partials).

@@ -1,0 +1,1 @@
+"""What XLA's compilers do to a step's buffers, per platform."""

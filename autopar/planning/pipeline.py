@@ -1,0 +1,116 @@
+"""The planning pipeline for one call signature: trace, pin, search (under a memory budget),
+assemble; and the plain data-parallel plan."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from autopar.cost.hardware import Hardware
+from autopar.errors import AutoparError
+from autopar.mesh import MeshShape
+from autopar.plan import Decisions, Plan
+from autopar.planning.assemble import assemble
+from autopar.planning.budget import plan_within
+from autopar.planning.pins import Annotations, resolve as resolve_annotations
+from autopar.planning.problem import make_units
+from autopar.planning.solve import exactness, solve
+from autopar.rules.factors import Spec
+from autopar.trace.ir import OpGraph
+from autopar.trace.tracer import trace
+
+
+def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
+              backend: str, annotations: Annotations = None, memory_limit: int | None = None,
+              donated: frozenset[int] = frozenset()) -> tuple[OpGraph, Decisions, Plan]:
+    """Trace, search and assemble: the whole planning pipeline for one call signature
+    (`donated`: the flat inputs the caller donates, which the memory estimate reads).
+
+    `mesh` given as a device count tries every mesh shape of that many devices
+    (`candidate_meshes`) on which the annotations apply, and keeps the plan of least estimated
+    cost. With `memory_limit` (bytes per device), only plans that fit it (`budget`).
+    """
+    t0 = time.perf_counter()
+    graph, in_tree, out_shape = trace(fn, args, donated)
+    t1 = time.perf_counter()
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    units = make_units(graph)
+    shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
+    best = None
+    first_error = fit_error = None
+    for shape in shapes:
+        try:
+            pinned = resolve_annotations(graph, shape, annotations)
+        except AutoparError as e:  # a candidate mesh without the annotated axes
+            first_error = first_error or e
+            continue
+
+        problems: dict = {}  # built once for this mesh, searched at every memory price
+
+        def attempt(price: float, recompute: frozenset, kept_budget: float | None,
+                    shape: MeshShape = shape, pinned: dict[int, Spec] = pinned,
+                    problems: dict = problems) -> tuple[Decisions, Plan]:
+            decisions, stats = solve(graph, shape, hw, backend, pinned, price, units, problems,
+                                     kept_budget)
+            decisions = dataclasses.replace(decisions, recompute=recompute)
+            stats["trace_s"] = t1 - t0
+            return decisions, assemble(graph, decisions, shape, hw, backend, stats, in_tree,
+                                       out_tree, pinned, memory_limit)
+
+        try:
+            decisions, plan = plan_within(attempt, graph, shape, memory_limit,
+                                          exact=backend == "dynamic_programming")
+        except AutoparError as e:  # nothing fits this mesh: the error to report
+            fit_error = fit_error or e
+            continue
+        if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
+            best = (decisions, plan)
+    if best is None:
+        raise fit_error or first_error
+    return graph, best[0], dataclasses.replace(best[1], search_stats=exactness(
+        best[1].search_stats))
+
+
+AUTO_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "inner")}
+
+
+def candidate_meshes(devices: int) -> list[MeshShape]:
+    """Every way to arrange `devices` as a mesh of one to three axes of size > 1."""
+    if devices < 1:
+        raise AutoparError(f"a mesh needs at least one device, got {devices}.")
+    shapes: list[tuple[int, ...]] = [(devices,)]
+    for a in range(2, devices):
+        if devices % a == 0:
+            shapes.append((a, devices // a))
+            rest = devices // a
+            shapes += [(a, b, rest // b) for b in range(2, rest) if rest % b == 0]
+    return [MeshShape(AUTO_AXIS_NAMES[len(s)], s) for s in shapes]
+
+
+def data_parallel_pins(graph: OpGraph, mesh: MeshShape, batch_prefix: str) -> dict[int, Spec]:
+    """Plain data parallel as pins: inputs under `batch_prefix` split on their first dimension
+    over every mesh axis, everything else replicated."""
+    everything = tuple(n for n, s in zip(mesh.names, mesh.sizes) if s > 1)
+    pins = {}
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        spec = [()] * len(tensor.shape)
+        batch = tensor.path.startswith(batch_prefix)
+        if batch and tensor.shape and tensor.shape[0] % mesh.size == 0:
+            spec[0] = everything
+        pins[t] = tuple(spec)
+    return pins
+
+
+def data_parallel_plan(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: Hardware,
+                       batch_prefix: str) -> Plan:
+    """The baseline a person writes first: batch split over all devices, the rest replicated,
+    with the operators' strategies searched under those pins."""
+    graph, in_tree, out_shape = trace(fn, args)
+    decisions, stats = solve(graph, mesh, hw, "dynamic_programming",
+                             data_parallel_pins(graph, mesh, batch_prefix))
+    stats = exactness(stats)
+    return assemble(graph, decisions, mesh, hw, "data_parallel", stats, in_tree,
+                    jax.tree_util.tree_structure(out_shape))

@@ -1,0 +1,201 @@
+"""Planning: trace, build the problem, search, and assemble the Plan with its costs."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+import search
+from autopar.cost.hardware import Hardware
+from autopar.errors import AutoparError
+from autopar.mesh import MeshShape
+from autopar.plan import Decisions
+from autopar.planning.axes import merged_within, rounds_within, solve_recursive
+from autopar.planning.problem import (Problem, Unit, build_problem, kept_problem, main_operand,
+                                      make_units, untied_node_count)
+from autopar.rules.factors import Spec, Strategy, replicated
+from autopar.trace.ir import OpGraph
+from autopar.trace.layers import TIED_SPACE
+
+BACKENDS = ("dynamic_programming", "recursive_programming", "sharding_propagation")
+EXACT_TABLE_LIMIT = 2e7  # entries of the largest table exact elimination may build
+# Table size of mini-bucket elimination. Larger tables tighten its lower bound, not its answer:
+# 3e5 against 1e6 gave the same plans on the example and on 12-layer GPTs at 8 to 1,024
+# devices, in a quarter of the time on the example, with bounds 0.1 to 0.6 points weaker.
+BOUNDED_TABLE_LIMIT = 3e5
+# Parts of the search space a proof under a kept-bytes cap explores before it settles for its
+# best plan and bound: the 4-layer GPT of the memory benchmark finds its optimum within 40 and
+# needs 113 to 153 (20 to 28 s) to prove it (docs/decisions.md).
+PROOF_PARTS = 40
+# Nodes of the untied problem up to which dynamic_programming searches it rather than the tied
+# one, so that `exact` holds for the step as written; above it, the search keeps the period-2
+# ties of repeated layers (docs/decisions.md, "Repeated layers tie two apart").
+UNTIED_NODE_LIMIT = 400
+
+
+def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
+          pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0,
+          units: list[Unit] | None = None, problems: dict | None = None,
+          kept_budget: float | None = None) -> tuple[Decisions, dict]:
+    """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
+    (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
+    device charged `memory_weight` seconds (see Problem.priced).
+
+    With `kept_budget` (dynamic_programming only), the fastest plan keeping at most that many
+    bytes per device (memory.kept_bytes), proven by branch and bound (search.constrained);
+    SearchTooLargeError where the full problem is too wide for exact tables.
+
+    A caller that searches one graph, mesh and pins more than once (at several memory prices)
+    passes `units` (make_units(graph)) and a `problems` dict, which keeps the problems built,
+    unpriced, for the next search."""
+    if backend not in BACKENDS:
+        raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
+    t0 = time.perf_counter()
+    extra: dict[str, Any] = {}
+    units = make_units(graph) if units is None else units
+
+    def full() -> Problem:  # the whole mesh's problem at this price
+        return kept_problem(problems, "full", lambda: build_problem(
+            graph, mesh, hw, pinned, units=units)).priced(graph, mesh, memory_weight)
+
+    if kept_budget is not None:
+        if backend != "dynamic_programming":
+            raise ValueError("kept_budget is a dynamic_programming search")
+        problem = full()
+        if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) > EXACT_TABLE_LIMIT:
+            raise search.SearchTooLargeError("exact tables exceed EXACT_TABLE_LIMIT")
+        solution = search.solve_constrained(problem.graph, problem.kept(graph, mesh),
+                                            kept_budget, max_factor_size=EXACT_TABLE_LIMIT,
+                                            max_parts=PROOF_PARTS)
+        extra = {"kept_bytes": solution.stats.pop("use"),
+                 "kept_budget_bytes": solution.stats.pop("budget")}
+        space = "full, kept bytes within a budget"
+    elif backend == "recursive_programming":
+        problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
+                                                   memory_weight, problems)
+        space = extra.pop("space")
+    elif backend == "sharding_propagation":
+        if not pinned:
+            raise AutoparError(
+                "search='sharding_propagation' spreads annotations, and this step has none. "
+                "Fix: pass annotations={regex: PartitionSpec} (e.g. {'batch/': P('data')}), "
+                "call autopar.shard(x, P(...)) in the model, or use "
+                "search='dynamic_programming'.")
+        problem, solution = _propagate(full(), pinned)
+        space = "propagation from the annotations"
+    else:
+        problem = None
+        if (any(unit.tie is not None for unit in units)
+                and untied_node_count(graph, units, pinned or {}) <= UNTIED_NODE_LIMIT):
+            # Small enough to search without the ties, where its exact tables fit: the answer
+            # is then the optimum over every plan, not only those that repeat layers. Built
+            # first, so that the tied problem is built only where the untied one is too wide.
+            untied = kept_problem(problems, "untied", lambda: build_problem(
+                graph, mesh, hw, pinned, tie_layers=False, units=units)
+                ).priced(graph, mesh, memory_weight)
+            if search.largest_table(untied.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
+                problem = untied
+        if problem is None:
+            problem = full()
+        fits = search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT
+        if fits:
+            solution, space = search.solve(problem.graph, backend,
+                                           max_factor_size=EXACT_TABLE_LIMIT), "full"
+        else:
+            solution, space = _best_within_bound(problem, mesh)
+    t1 = time.perf_counter()
+    strategies = problem.decode(solution.choice)
+    by_tensor = {}
+    ops: list[Strategy | None] = [None] * len(graph.ops)
+    for unit, st in zip(problem.units, strategies):
+        if unit.op is None:
+            by_tensor[unit.outputs[0]] = st.out_specs[0]
+        else:
+            ops[unit.op.id] = st
+    inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
+    stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
+    stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
+                 objective_s=float(solution.cost), ops=len(graph.ops),
+                 tied_units=tied_units(problem, graph))
+    return Decisions(inputs, ops), stats
+
+
+def tied_units(problem: Problem, graph: OpGraph) -> int:
+    """Deciding units of `problem` that took an earlier instance's strategies (repeated
+    layers): each would be a node of its own without the ties. A unit that follows its
+    operand's producer (as problem._group decides) shares a node whether tied or not."""
+    count = 0
+    for u, unit in enumerate(problem.units):
+        if unit.tie is None or problem.node_of[u] != problem.node_of[unit.tie]:
+            continue
+        main = main_operand(unit, graph)
+        source = problem.producer.get(unit.inputs[main]) if main is not None else None
+        count += source is None or source[0] >= u
+    return count
+
+
+def exactness(stats: dict) -> dict:
+    """`stats` with `exact` for the step as written, and `exact_for`: the plans among which
+    the answer is proven optimal ("all plans"; with repeated layers tied, only the plans that
+    repeat them; None where it is not proven). The search sets `exact` for the plans it
+    covered, and a memory budget may withdraw it (budget.py); this is read once at the end."""
+    tied = stats.get("tied_units", 0)
+    proven = bool(stats.get("exact"))
+    return {**stats, "exact": proven and not tied,
+            "exact_for": (TIED_SPACE if tied else "all plans") if proven else None}
+
+
+def _best_within_bound(full: Problem, mesh: MeshShape) -> tuple[search.Solution, str]:
+    """The cheaper of two answers when exact tables for the full space do not fit.
+
+    A training step's forward and backward passes share activations and parameters, which makes
+    its graph too wide for exact elimination on meshes of several axes (docs/decisions.md).
+    Bounded elimination of the full space gives a plan and a lower bound on the optimum; the
+    axis-by-axis recursion within the same problem (`rounds_within`: no problem is built per
+    round) gives a second plan, and all axes taken as one (`merged_within`) a third. The
+    cheapest wins, and the bound says how far from optimal it can be.
+    """
+    bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
+    rounds_answer = rounds_within(full, mesh)
+    merged = merged_within(full, mesh)
+    candidates = [(bounded, "full"), (rounds_answer, "one axis at a time"),
+                  (merged, "all axes as one")]
+    best, space = min(candidates, key=lambda c: c[0].cost)
+    bound = bounded.stats["lower_bound"]
+    gap = 0.0 if best.cost <= bound else (best.cost - bound) / best.cost
+    stats = {**best.stats, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
+             "bounded_elimination_s": bounded.cost, "one_axis_at_a_time_s": rounds_answer.cost,
+             "all_axes_as_one_s": merged.cost}
+    return search.Solution(best.choice, best.cost, stats), space
+
+
+def _propagate(problem: Problem, pinned: dict[int, Spec]) -> tuple[Problem, search.Solution]:
+    """Sharding propagation from the pinned tensors; unreached nodes get data parallel."""
+    seeds = sorted({problem.node_of[u] for u, unit in enumerate(problem.units)
+                    if unit.outputs and unit.outputs[0] in pinned})
+    defaults = [_data_parallel_choice(problem.choices[r]) for r in problem.roots]
+    return problem, search.solve(problem.graph, "sharding_propagation", seeds=seeds,
+                                 defaults=defaults)
+
+
+def _data_parallel_choice(options: list[Strategy]) -> int:
+    """The strategy splitting the first result dimension (the batch) over the most devices and
+    nothing else; the first (replicated) one if none does."""
+    best, best_ways = 0, 1
+    for j, s in enumerate(options):
+        spec = s.out_specs[0] if s.out_specs else ()
+        batch_only = bool(spec) and bool(spec[0]) and not any(spec[1:]) and not s.partial_axes
+        if batch_only and s.parallel > best_ways:
+            best, best_ways = j, s.parallel
+    return best
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
