@@ -7,13 +7,13 @@ with pinned baselines, for small models run on the simulated devices), `propagat
 (annotations spread by sharding_propagation against the search), `planning` (search time and
 quality at depth and scale, first call against jax.jit) and `memory` (plans for shrinking memory
 budgets, predicted against compiled memory).
-Results go to benchmarks/results/<date>-<suite>.md and .json, with the machine and versions.
+Results go to benchmarks/results/<suite>.md and .json (quality with --memory-matched:
+quality-memory-matched), with the machine and versions, replacing the suite's previous results.
 Timings are of this machine; compare them as ratios within one run.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -143,9 +143,9 @@ def _known(names: list[str], known: dict) -> list[str]:
 def write(suite: str, result: dict, table: str, args: argparse.Namespace) -> None:
     result["machine"] = machine()
     result["arguments"] = vars(args)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
+    name = suite + ("-memory-matched" if suite == "quality" and args.memory_matched else "")
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{stamp}-{suite}")
+    base = os.path.join(args.out, name)
     header = f"# {TITLES[suite]}\n\n" + "\n".join(f"- {k}: {v}"
                                                    for k, v in result["machine"].items())
     with open(base + ".md", "w") as f:
