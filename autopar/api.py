@@ -14,14 +14,15 @@ from autopar.calling import Call, Conventions
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.hlo import compiled_memory_bytes
-from autopar.cost.memory import mib, parse_bytes
+from autopar.cost.liveness import mib
+from autopar.cost.memory import parse_bytes
 from autopar.errors import AutoparError
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
-from autopar.planning.pipeline import plan_step
+from autopar.planning.pipeline import Planning
 from autopar.planning.saved import decisions_from_plan
 from autopar.planning.solve import BACKENDS
 from autopar.rules.factors import Spec, to_partition_spec
@@ -62,8 +63,9 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     hw = get_profile(hardware)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     with young_objects_only():
-        return plan_step(call.step(), call.abstract(), _mesh_or_count(mesh), hw, search,
-                         annotations, limit, call.donated)[2]
+        planning = Planning.traced(call.step(), call.abstract(), hw, search, annotations,
+                                   call.donated, compiler_platform(mesh, hw))
+        return planning.plan(_mesh_or_count(mesh), limit)[1]
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -79,6 +81,16 @@ def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
         device = jax.devices()[0]
     stats = device.memory_stats() if device is not None else None
     return int((stats or {}).get("bytes_limit") or hw.memory_bytes)
+
+
+def compiler_platform(mesh: Any, hw: Hardware) -> str:
+    """The platform whose compiler will build the step: the mesh's devices' where it has
+    devices (a Mesh; a count or 'auto': jax's devices), else the hardware profile's."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    if isinstance(mesh, (str, int)) and not isinstance(mesh, bool):
+        return jax.devices()[0].platform
+    return hw.platform
 
 
 def _mesh_or_count(mesh: Any) -> MeshShape | int:
@@ -214,12 +226,13 @@ class AutoParallel:
                 dict(self.saved.search_stats), in_tree, out_tree)
             return self._signature(graph, decisions, dict(self.saved.mesh),
                                    output_specs(graph, decisions), out_tree, assembled)
+        planning = Planning.traced(fn, args, self.hw, self.search, self.annotations,
+                                   call.donated, compiler_platform(self.requested, self.hw))
         limit = self.memory_limit
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
             try:
-                graph, decisions, p = plan_step(fn, args, shape, self.hw, self.search,
-                                                self.annotations, limit, call.donated)
+                decisions, p = planning.plan(shape, limit)
             except AutoparError as e:
                 if not check:
                     raise
@@ -227,16 +240,19 @@ class AutoParallel:
                     f"the plan estimated to fit memory_limit={mib(self.memory_limit)} compiled "
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
                     f"{e}") from e
-            made = self._signature(graph, decisions, dict(p.mesh),
+            made = self._signature(planning.graph, decisions, dict(p.mesh),
                                    [t.spec for t in p.outputs], p.out_tree, lambda p=p: p)
             if not check and "memory_price_s_per_byte" in p.search_stats:
-                unbudgeted = self._unbudgeted(call, shape)
+                unbudgeted = self._unbudgeted(planning, call, shape)
                 if unbudgeted is not None:
                     return unbudgeted
-            if not check and p.cost["peak_memory_bytes"] < CHECK_BAND * self.memory_limit:
-                break
             # Close to the limit the estimate's error could decide, and after a plan did not
-            # fit it has: XLA's own figure does.
+            # fit it has: XLA's own figure does. A platform without a calibrated buffer model
+            # is checked whenever the budget binds.
+            if (not check and p.cost["peak_memory_bytes"] < CHECK_BAND * self.memory_limit
+                    and (planning.buffers.calibrated
+                         or "memory_price_s_per_byte" not in p.search_stats)):
+                break
             compiled = compiled_memory_bytes(
                 made.jitted.lower(*_abstract(call.leaves)).compile())
             p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
@@ -256,18 +272,20 @@ class AutoParallel:
             limit = min(limit - 1, int(self.memory_limit * estimate / compiled))
         return made
 
-    def _unbudgeted(self, call: Call, shape: MeshShape | int) -> _Signature | None:
+    def _unbudgeted(self, planning: Planning, call: Call, shape: MeshShape | int
+                    ) -> _Signature | None:
         """The plan made without a memory limit, where XLA's own figure puts it within the
         limit. The budget acts on the estimate, whose error near the limit goes either way: a
         plan estimated a little over the limit may compile within it, and it is faster than
         the leaner plan the budget chose (a small GPT at a data-parallel expert's memory was
         estimated 7% over it and planned 2.6x slower). Compiled only where its estimate is
-        within that error of the limit."""
-        graph, decisions, p = plan_step(call.step(), call.abstract(), shape, self.hw,
-                                        self.search, self.annotations, None, call.donated)
-        if CHECK_BAND * p.cost["peak_memory_bytes"] > self.memory_limit:
+        within that error of the limit, or where the estimate's buffer model is not calibrated
+        for the platform (a conservative estimate says little of what XLA needs)."""
+        decisions, p = planning.plan(shape, None)
+        if (planning.buffers.calibrated
+                and CHECK_BAND * p.cost["peak_memory_bytes"] > self.memory_limit):
             return None
-        made = self._signature(graph, decisions, dict(p.mesh), [t.spec for t in p.outputs],
+        made = self._signature(planning.graph, decisions, dict(p.mesh), [t.spec for t in p.outputs],
                                p.out_tree, lambda: p)
         compiled = compiled_memory_bytes(made.jitted.lower(*_abstract(call.leaves)).compile())
         if compiled > self.memory_limit:

@@ -51,6 +51,9 @@ class Hardware:
     source: str = ""
     levels: tuple[LinkLevel, ...] = ()
     axis_levels: tuple[tuple[str, str], ...] = ()
+    # The compiler's platform ('cpu', 'gpu', 'tpu'): where no devices are at hand (an abstract
+    # mesh), the memory estimate models this platform's buffers (autopar.cost.xla).
+    platform: str = "cpu"
 
     def link_levels(self) -> tuple[LinkLevel, ...]:
         """The levels, fastest first; one level of any size where the profile gives none."""
@@ -99,21 +102,21 @@ PROFILES: dict[str, Hardware] = {
                "or CI core; use measure_host() for this machine's own numbers."),
     "a100": Hardware(
         "a100", flops=312e12, memory_bandwidth=2.039e12, link_bandwidth=300e9, link_latency=5e-6,
-        memory_bytes=80 * 2**30,
+        platform="gpu", memory_bytes=80 * 2**30,
         levels=(LinkLevel("nvlink", 8, 300e9, 5e-6), LinkLevel("network", 0, 25e9, 1e-5)),
         source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, "
                "NVLink 600 GB/s bidirectional (300 GB/s each way) among the 8 GPUs of a node; "
                "DGX A100: one 200 Gb/s HDR InfiniBand port per GPU between nodes (25 GB/s)."),
     "h100": Hardware(
         "h100", flops=989e12, memory_bandwidth=3.35e12, link_bandwidth=450e9, link_latency=5e-6,
-        memory_bytes=80 * 2**30,
+        platform="gpu", memory_bytes=80 * 2**30,
         levels=(LinkLevel("nvlink", 8, 450e9, 5e-6), LinkLevel("network", 0, 50e9, 1e-5)),
         source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 "
                "GB/s bidirectional (450 GB/s each way) among the 8 GPUs of a node; DGX H100: "
                "one 400 Gb/s NDR InfiniBand port per GPU between nodes (50 GB/s)."),
     "tpu_v4": Hardware(
         "tpu_v4", flops=275e12, memory_bandwidth=1.2e12, link_bandwidth=45e9 * 2, link_latency=1e-5,
-        memory_bytes=32 * 2**30,
+        platform="tpu", memory_bytes=32 * 2**30,
         levels=(LinkLevel("ici", 4096, 90e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v4 documentation: 275 TFLOP/s bf16, 32 GiB HBM at 1,200 GB/s; "
                "ICI links of ~45 GB/s each way, two per mesh axis (torus), across a pod of up "
@@ -121,7 +124,7 @@ PROFILES: dict[str, Hardware] = {
                "4-chip host (6.25 GB/s per chip: an assumption, measure with your cluster)."),
     "tpu_v5p": Hardware(
         "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
-        link_latency=1e-5, memory_bytes=95 * 10**9,
+        link_latency=1e-5, platform="tpu", memory_bytes=95 * 10**9,
         levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
@@ -181,5 +184,5 @@ def measure_host(size: int = 1024, repeats: int = 5) -> Hardware:
     return Hardware("measured", flops=2 * size**3 / best_mm,
                     memory_bandwidth=2 * big.nbytes / best_cp,
                     link_bandwidth=base.link_bandwidth, link_latency=base.link_latency,
-                    memory_bytes=base.memory_bytes,
+                    memory_bytes=base.memory_bytes, platform=jax.devices()[0].platform,
                     source=f"measured on {jax.devices()[0].device_kind} by measure_host()")

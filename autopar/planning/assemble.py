@@ -7,6 +7,7 @@ from autopar.cost.hardware import Hardware
 from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
                                 reshard_time, shard_bytes, value_facts)
+from autopar.cost.xla import CPU, BufferModel
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import Spec, replicated
@@ -16,11 +17,12 @@ from autopar.trace.ir import OpGraph
 
 def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, backend: str,
              stats: dict, in_tree: Any = None, out_tree: Any = None,
-             pinned: dict[int, Spec] | None = None, memory_limit: int | None = None) -> Plan:
+             pinned: dict[int, Spec] | None = None, memory_limit: int | None = None,
+             buffers: BufferModel = CPU) -> Plan:
     """The Plan of `decisions`: specs, per-op costs, redistributions and totals per device.
 
     `pinned` (the annotated tensors) marks the redistributions at annotations; `memory_limit`
-    is recorded with the memory estimate.
+    is recorded with the memory estimate, which `buffers` (the compiler's buffer model) makes.
     """
     tensors = graph.tensors
     pinned = pinned or {}
@@ -89,14 +91,14 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
                                 tensors[t].dtype, s, int(shard_bytes(tensors[t], s, mesh)))
                      for t, s in zip(ids, spec_list))
 
-    memory = plan_memory(graph, decisions, mesh)
+    memory = plan_memory(graph, decisions, mesh, buffers)
     cost = {"compute_s": compute, "communication_s": comm, "total_s": compute + comm,
             "recompute_s": recompute_s, "peak_memory_bytes": memory.peak_bytes,
             **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(collective_bytes.items())}}
     return Plan(tuple(zip(mesh.names, mesh.sizes)), backend, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
                 tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
-                tuple(moves), in_tree, out_tree, memory_json(memory, memory_limit),
+                tuple(moves), in_tree, out_tree, memory_json(memory, memory_limit, buffers),
                 recomputed_layers(graph, decisions.recompute))
 
 

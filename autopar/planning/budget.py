@@ -27,10 +27,13 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from autopar.cost.memory import kept_bytes, mib, plan_memory
+from autopar.cost.liveness import mib
+from autopar.cost.memory import kept_bytes, plan_memory
 from autopar.cost.model import shard_bytes
+from autopar.cost.xla import BufferModel
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
+from autopar.plan import Decisions
 from autopar.trace.analysis import layer_steps, roles
 from autopar.trace.ir import OpGraph
 from search import SearchTooLargeError
@@ -49,9 +52,10 @@ def peak(plan: Any) -> int:
 
 
 def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | None,
-                exact: bool = False) -> tuple[Any, Any]:
-    """The fastest plan `attempt` finds that fits `limit` bytes per device (see module doc).
-    `exact`: `attempt` takes a cap on kept bytes (dynamic_programming)."""
+                buffers: BufferModel, exact: bool = False) -> tuple[Any, Any]:
+    """The fastest plan `attempt` finds that fits `limit` bytes per device (see module doc),
+    estimated as `buffers` (the compiler's buffer model) says. `exact`: `attempt` takes a cap
+    on kept bytes (dynamic_programming)."""
     decisions, plan = attempt(0.0, frozenset(), None)
     if limit is None or peak(plan) <= limit:
         return decisions, plan
@@ -90,7 +94,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
     found = search_prices(frozenset())
     if found is None:
         lean = min(tried, key=lambda t: peak(t[2]))[1]
-        recompute = _layers_to_recompute(graph, lean, mesh, limit)
+        recompute = _layers_to_recompute(graph, lean, mesh, limit, buffers)
         if recompute:
             found = search_prices(recompute)
     if found is None:
@@ -137,8 +141,8 @@ def _with_stats(plan: Any, price: float | None, tried: list, limit: int) -> Any:
     return dataclasses.replace(plan, search_stats=stats)
 
 
-def _layers_to_recompute(graph: OpGraph, decisions: Any, mesh: MeshShape,
-                         limit: int) -> frozenset:
+def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
+                         limit: int, buffers: BufferModel) -> frozenset:
     """Layers to recompute, most activation bytes first, until `decisions` fit (or all are)."""
     specs = decisions.tensor_specs(graph)
     kind = roles(graph)
@@ -156,7 +160,7 @@ def _layers_to_recompute(graph: OpGraph, decisions: Any, mesh: MeshShape,
 
     def fits(n: int) -> bool:
         trial = dataclasses.replace(decisions, recompute=first(n))
-        return plan_memory(graph, trial, mesh).peak_bytes <= limit
+        return plan_memory(graph, trial, mesh, buffers).peak_bytes <= limit
 
     # The fewest layers that fit, by bisection: recomputing more layers keeps less, and a deep
     # model has too many layers to estimate the plan once per layer.

@@ -3,74 +3,111 @@ assemble; and the plain data-parallel plan."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
 
 from autopar.cost.hardware import Hardware
+from autopar.cost.xla import BufferModel, buffer_model
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, Plan
 from autopar.planning.assemble import assemble
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
-from autopar.planning.problem import make_units
+from autopar.planning.problem import Unit, make_units
 from autopar.planning.solve import exactness, solve
 from autopar.rules.factors import Spec
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
 
+@dataclass
+class Planning:
+    """One call signature's planning: the traced step and what every search of it shares, so
+    that planning again (another memory limit, a compile check's retry, another mesh shape)
+    traces nothing again and rebuilds no problem it has built.
+
+    `buffers` is the compiler's buffer model the memory estimate walks (autopar.cost.xla)."""
+
+    graph: OpGraph
+    in_tree: Any
+    out_tree: Any
+    hw: Hardware
+    search: str
+    annotations: Annotations
+    buffers: BufferModel
+    trace_s: float
+    units: list[Unit] = field(init=False)
+    problems: dict[MeshShape, dict] = field(default_factory=dict)  # built, unpriced, per mesh
+
+    def __post_init__(self) -> None:
+        self.units = make_units(self.graph)
+
+    @classmethod
+    def traced(cls, fn: Callable, args: Sequence[Any], hw: Hardware, search: str,
+               annotations: Annotations = None, donated: frozenset[int] = frozenset(),
+               platform: str | None = None) -> Planning:
+        """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
+        estimate reads) for a compiler of `platform` (default: the hardware profile's)."""
+        t0 = time.perf_counter()
+        graph, in_tree, out_shape = trace(fn, args, donated)
+        return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
+                   annotations, buffer_model(platform or hw.platform), time.perf_counter() - t0)
+
+    def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
+             ) -> tuple[Decisions, Plan]:
+        """Pin, search and assemble on `mesh`. A device count tries every mesh shape of that
+        many devices (`candidate_meshes`) on which the annotations apply, and keeps the plan of
+        least estimated cost. With `memory_limit` (bytes per device), only plans that fit it
+        (`budget`)."""
+        shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
+        best = None
+        first_error = fit_error = None
+        for shape in shapes:
+            try:
+                pinned = resolve_annotations(self.graph, shape, self.annotations)
+            except AutoparError as e:  # a candidate mesh without the annotated axes
+                first_error = first_error or e
+                continue
+            try:
+                decisions, plan = plan_within(
+                    functools.partial(self._attempt, shape, pinned, memory_limit), self.graph,
+                    shape, memory_limit, self.buffers, exact=self.search == "dynamic_programming")
+            except AutoparError as e:  # nothing fits this mesh: the error to report
+                fit_error = fit_error or e
+                continue
+            if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
+                best = (decisions, plan)
+        if best is None:
+            raise fit_error or first_error
+        return best[0], dataclasses.replace(best[1], search_stats=exactness(
+            best[1].search_stats))
+
+    def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], memory_limit: int | None,
+                 price: float, recompute: frozenset, kept_budget: float | None
+                 ) -> tuple[Decisions, Plan]:
+        """One search at a memory price (budget.Attempt), and its Plan."""
+        problems = self.problems.setdefault(shape, {})
+        decisions, stats = solve(self.graph, shape, self.hw, self.search, pinned, price,
+                                 self.units, problems, kept_budget)
+        decisions = dataclasses.replace(decisions, recompute=recompute)
+        stats["trace_s"] = self.trace_s
+        return decisions, assemble(self.graph, decisions, shape, self.hw, self.search, stats,
+                                   self.in_tree, self.out_tree, pinned, memory_limit,
+                                   self.buffers)
+
+
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
-              backend: str, annotations: Annotations = None, memory_limit: int | None = None,
-              donated: frozenset[int] = frozenset()) -> tuple[OpGraph, Decisions, Plan]:
-    """Trace, search and assemble: the whole planning pipeline for one call signature
-    (`donated`: the flat inputs the caller donates, which the memory estimate reads).
-
-    `mesh` given as a device count tries every mesh shape of that many devices
-    (`candidate_meshes`) on which the annotations apply, and keeps the plan of least estimated
-    cost. With `memory_limit` (bytes per device), only plans that fit it (`budget`).
-    """
-    t0 = time.perf_counter()
-    graph, in_tree, out_shape = trace(fn, args, donated)
-    t1 = time.perf_counter()
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    units = make_units(graph)
-    shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
-    best = None
-    first_error = fit_error = None
-    for shape in shapes:
-        try:
-            pinned = resolve_annotations(graph, shape, annotations)
-        except AutoparError as e:  # a candidate mesh without the annotated axes
-            first_error = first_error or e
-            continue
-
-        problems: dict = {}  # built once for this mesh, searched at every memory price
-
-        def attempt(price: float, recompute: frozenset, kept_budget: float | None,
-                    shape: MeshShape = shape, pinned: dict[int, Spec] = pinned,
-                    problems: dict = problems) -> tuple[Decisions, Plan]:
-            decisions, stats = solve(graph, shape, hw, backend, pinned, price, units, problems,
-                                     kept_budget)
-            decisions = dataclasses.replace(decisions, recompute=recompute)
-            stats["trace_s"] = t1 - t0
-            return decisions, assemble(graph, decisions, shape, hw, backend, stats, in_tree,
-                                       out_tree, pinned, memory_limit)
-
-        try:
-            decisions, plan = plan_within(attempt, graph, shape, memory_limit,
-                                          exact=backend == "dynamic_programming")
-        except AutoparError as e:  # nothing fits this mesh: the error to report
-            fit_error = fit_error or e
-            continue
-        if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
-            best = (decisions, plan)
-    if best is None:
-        raise fit_error or first_error
-    return graph, best[0], dataclasses.replace(best[1], search_stats=exactness(
-        best[1].search_stats))
+              search: str, annotations: Annotations = None, memory_limit: int | None = None,
+              donated: frozenset[int] = frozenset(), platform: str | None = None
+              ) -> tuple[OpGraph, Decisions, Plan]:
+    """Trace, search and assemble once (see Planning)."""
+    planning = Planning.traced(fn, args, hw, search, annotations, donated, platform)
+    return (planning.graph, *planning.plan(mesh, memory_limit))
 
 
 AUTO_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "inner")}

@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from autopar.cost.model import group_size, partial_split, reshard_sequence, shard_bytes
+from autopar.cost.model import group_size, reshard_sequence, shard_bytes
+from autopar.cost.xla.buffers import ValueBuffers
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.rules.table import FUSED
-from autopar.trace.analysis import ancestors, edges
+from autopar.rules.table import FUSED, FUSING_READERS
+from autopar.trace.analysis import ancestors, edges, per_graph, roles
 from autopar.trace.ir import OpGraph, Tensor
 
 # Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
@@ -30,21 +31,6 @@ CHEAP = {
     "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
     "stop_gradient", "sub", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
     "transpose", "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"}
-
-
-def all_reduce_steps(graph: OpGraph, decisions: Any, mesh: MeshShape
-                     ) -> dict[int, tuple[str, ...]]:
-    """Program step -> the mesh axes its result's partial sums are all-reduced over."""
-    producer_step = edges(graph)[0]
-    out = {}
-    for op, strategy in zip(graph.ops, decisions.ops):
-        if not strategy.partial_axes:
-            continue
-        for t, spec in zip(op.outputs, strategy.out_specs):
-            axes = partial_split(strategy, spec)[1]
-            if group_size(mesh, axes) > 1 and t in producer_step:
-                out[producer_step[t]] = tuple(sorted(axes))
-    return out
 
 
 def scatter_into_sum(program: Any, producer_step: dict[int, int], primitive: Any, i: int,
@@ -170,7 +156,7 @@ def reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape
     return sum(made), result
 
 
-@functools.lru_cache(maxsize=4)  # program-only, like edges
+@per_graph
 def transposed_operands(graph: OpGraph) -> tuple[tuple[int, int, int], ...]:
     """(step, operand or -1 for the result, tensor) of every convolution and dot operand and
     result XLA transposes into a buffer of its own before computing."""
@@ -234,7 +220,7 @@ def _dot_transposes(dn: Any, shapes: list[tuple[int, ...]]) -> list[int]:
 IN_PLACE = {"dot_general", "conv_general_dilated", "scan", "while", "cond"}
 
 
-@functools.lru_cache(maxsize=4)  # program-only, like edges
+@per_graph
 def input_only_steps(graph: OpGraph, tail: int) -> frozenset[int]:
     """The steps before `tail` that XLA's scheduler runs at the start of the step: those that
     read only the step's inputs and constants, directly or through other such steps, other
@@ -290,3 +276,61 @@ def placed_in_donated(buffers: list[tuple[int, int, int]], slots: list[tuple[int
                 placed.add(b)
                 break
     return placed
+
+
+@per_graph
+def value_buffers(graph: OpGraph) -> ValueBuffers:
+    """The values XLA's CPU compiler writes to buffers of their own. Chains of elementwise and
+    layout operators fuse into their reader, unless a reader cannot fuse them (a dot, a
+    convolution, a loop), several operators read them, or the backward pass keeps an expensive
+    one (CHEAP). A transpose of a dot read by it alone is the dot's own buffer; a scatter into
+    zeros that a sum alone reads scatters into the sum (scatter_into_sum)."""
+    program = graph.program
+
+    def primitive(i: int) -> str:
+        eqn = program[i].eqn
+        return "copy_p" if eqn is None else eqn.primitive.name
+
+    producer_step, readers = edges(graph)
+    kind = dict(roles(graph))
+    outputs = set(graph.outputs)
+    materialised = set()
+    into_sum = set()
+    for t, i in producer_step.items():
+        rs = readers.get(t, ())
+        if t not in outputs and scatter_into_sum(program, producer_step, primitive, i, rs):
+            into_sum.add(t)
+            continue
+        if (primitive(i) == "transpose" and len(readers.get(program[i].inputs[0], ())) == 1
+                and primitive(producer_step.get(program[i].inputs[0], i)) == "dot_general"):
+            # XLA's simplifier folds the transpose of a dot read by it alone into the dot
+            # (operands exchanged): the dot's buffer holds the transposed result.
+            kind.setdefault(program[i].inputs[0], kind.get(t, "temporaries"))
+            continue
+        if (t in outputs or primitive(i) not in FUSED or len(rs) > 1
+                or (kind.get(t) == "activations" and primitive(i) not in CHEAP)
+                or any(primitive(r) not in FUSING_READERS for r in rs)):
+            materialised.add(t)
+    return ValueBuffers(frozenset(materialised), frozenset(into_sum), kind)
+
+
+class CpuBuffers:
+    """XLA's CPU compiler as the memory estimate asks for it (autopar.cost.xla.buffers)."""
+
+    name = "xla-cpu"
+    calibrated = True
+    values = staticmethod(value_buffers)
+    combined_all_reduces = staticmethod(all_reduce_groups)
+    copied_before_update = staticmethod(copied_before_update)
+    early_steps = staticmethod(input_only_steps)
+    schedule = staticmethod(schedule)
+    reshard_buffers = staticmethod(reshard_buffers)
+    transposed_operands = staticmethod(transposed_operands)
+    placed_in_donated = staticmethod(placed_in_donated)
+
+    @staticmethod
+    def fuses(primitive: str) -> bool:
+        return primitive in FUSED
+
+
+CPU = CpuBuffers()
