@@ -24,7 +24,7 @@ from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
 from autopar.planning.pipeline import Planning
 from autopar.planning.saved import decisions_from_plan
-from autopar.planning.solve import BACKENDS
+from autopar.planning.solve import SEARCHES
 from autopar.rules.factors import Spec, to_partition_spec
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
@@ -56,7 +56,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     `donate_argnames`: as in `auto_parallel` (the memory estimate holds an undonated state
     twice, the old and the new).
     """
-    _check_backend(search)
+    _check_search(search)
     check_annotations_type(annotations)
     call = Call(fn, Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                    donate_argnames), args, {})
@@ -143,7 +143,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
                            "4}); to plan for devices you do not have, use autopar.plan(fn, "
                            "*args, mesh={...}).")
-    _check_backend(search)
+    _check_search(search)
     check_annotations_type(annotations)
     if plan is not None and annotations is not None:
         raise AutoparError("auto_parallel got both plan= (apply a saved plan, no search) and "
@@ -162,9 +162,9 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                         resolve_memory_limit(memory_limit, hw, mesh), conventions)
 
 
-def _check_backend(search: str) -> None:
-    if search not in BACKENDS:
-        raise AutoparError(f"unknown search {search!r}. Fix: use one of {list(BACKENDS)}.")
+def _check_search(search: str) -> None:
+    if search not in SEARCHES:
+        raise AutoparError(f"unknown search {search!r}. Fix: use one of {list(SEARCHES)}.")
 
 
 @dataclasses.dataclass
@@ -222,7 +222,7 @@ class AutoParallel:
             # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
             # running the step needs the decisions alone.
             assembled = functools.partial(
-                assemble, graph, decisions, shape, self.hw, self.saved.backend,
+                assemble, graph, decisions, shape, self.hw, self.saved.search,
                 dict(self.saved.search_stats), in_tree, out_tree)
             return self._signature(graph, decisions, dict(self.saved.mesh),
                                    output_specs(graph, decisions), out_tree, assembled)

@@ -124,7 +124,7 @@ class Plan:
     """
 
     mesh: tuple[tuple[str, int], ...]
-    backend: str
+    search: str  # the search algorithm that made it (or "data_parallel")
     hardware: str
     inputs: tuple[TensorPlan, ...]
     outputs: tuple[TensorPlan, ...]

@@ -1,6 +1,6 @@
 """The JSON layout of a Plan: compact by default, one entry per line, read top-down.
 
-A plan's JSON holds the format version, the mesh, the backend and hardware, every input with its
+A plan's JSON holds the format version, the mesh, the search and hardware, every input with its
 spec, the outputs (a run of outputs that are inputs handed back, as a training step returns its
 state, is one line), the decisions the search made, then costs, memory, search statistics,
 recomputed layers and redistributions. The decisions are those of the operators that decide
@@ -268,7 +268,7 @@ def plan_body(plan: Any, detail: bool) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "mesh": {"axis_names": [n for n, _ in plan.mesh],
                  "axis_sizes": [s for _, s in plan.mesh]},
-        "backend": plan.backend,
+        "search": plan.search,
         "hardware": plan.hardware,
         "inputs": [tensor_json(t) for t in plan.inputs],
         "outputs": outputs_json(plan.outputs, plan.inputs),
@@ -294,7 +294,7 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
     inputs = tuple(tensor_from(t) for t in body["inputs"])
     return dict(
         mesh=tuple((str(n), int(s)) for n, s in zip(names, sizes)),
-        backend=body.get("backend", ""), hardware=body.get("hardware", ""), inputs=inputs,
+        search=body.get("search", body.get("backend", "")), hardware=body.get("hardware", ""), inputs=inputs,
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),
         ops=tuple(op_from(o) for o in body.get("ops", [])),
         cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),

@@ -197,7 +197,7 @@ def format_1(plan):
     return json.dumps({
         "format_version": 1, "mesh": {"axis_names": [n for n, _ in plan.mesh],
                                       "axis_sizes": [s for _, s in plan.mesh]},
-        "backend": plan.backend, "hardware": plan.hardware,
+        "search": plan.search, "hardware": plan.hardware,
         "inputs": [tensor(t) for t in plan.inputs], "outputs": [tensor(t) for t in plan.outputs],
         "ops": ops, "cost": plan.cost, "search_stats": plan.search_stats,
         "redistributions": moves, "memory": plan.memory, "recompute": list(plan.recompute)},
@@ -211,7 +211,7 @@ def test_compact_json_is_small_and_reads_top_down():
     # 1,226 operators in detail, 44 decisions; inputs (108, one line each) are half of it
     assert len(text) < 0.06 * len(detailed), (len(text), len(detailed))
     assert len(text.splitlines()) < 200
-    assert list(json.loads(text)) == ["format_version", "mesh", "backend", "hardware", "inputs",
+    assert list(json.loads(text)) == ["format_version", "mesh", "search", "hardware", "inputs",
                                       "outputs", "decisions", "cost", "memory", "search_stats",
                                       "recompute", "redistributions"]
     inputs = listed(text, "inputs")
@@ -237,7 +237,7 @@ def test_compact_plan_round_trips_and_applies_its_repeated_layers():
     text = plan.to_json()
     again = autopar.Plan.from_json(text)
     assert again.ops == ()
-    for field in ("mesh", "backend", "inputs", "outputs", "decisions", "cost", "memory",
+    for field in ("mesh", "search", "inputs", "outputs", "decisions", "cost", "memory",
                   "search_stats", "recompute", "redistributions"):
         assert getattr(again, field) == getattr(plan, field), field
     assert any(isinstance(d, Repeat) for d in again.decisions)

@@ -33,7 +33,7 @@ def test_recursive_programming_matches_single_device(mesh):
     step, state, batch = models.gpt_setup(batch=12)
     plan = check_against_single_device(step, state, batch, autopar.make_mesh(mesh),
                                        search="recursive_programming")
-    assert plan.backend == "recursive_programming"
+    assert plan.search == "recursive_programming"
     assert plan.search_stats["rounds"] == len([s for s in mesh.values() if s > 1])
     assert_divisible(plan)
     used = {a for op in plan.ops for spec in op.in_specs for axes in spec for a in axes}

@@ -15,7 +15,7 @@ from autopar.trace.analysis import recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 
 
-def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, backend: str,
+def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, search: str,
              stats: dict, in_tree: Any = None, out_tree: Any = None,
              pinned: dict[int, Spec] | None = None, memory_limit: int | None = None,
              buffers: BufferModel = CPU) -> Plan:
@@ -95,7 +95,7 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     cost = {"compute_s": compute, "communication_s": comm, "total_s": compute + comm,
             "recompute_s": recompute_s, "peak_memory_bytes": memory.peak_bytes,
             **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(collective_bytes.items())}}
-    return Plan(tuple(zip(mesh.names, mesh.sizes)), backend, hw.name,
+    return Plan(tuple(zip(mesh.names, mesh.sizes)), search, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
                 tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
                 tuple(moves), in_tree, out_tree, memory_json(memory, memory_limit, buffers),

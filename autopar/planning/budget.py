@@ -6,7 +6,7 @@ a Lagrange multiplier, and the search runs again: the price rises eightfold unti
 then bisection finds a lower price that still fits, and the fastest fitting plan found wins.
 Charged for memory, the search shards what it would have replicated: optimizer state and
 gradients along the data axis first (their reduce-scatter costs what the all-reduce did), then
-parameters (FSDP), then activations. The recursive backend, charged heavily, splits memory first.
+parameters (FSDP), then activations. recursive_programming, charged heavily, splits memory first.
 
 A price finds only the plans on the convex hull of (time, memory); the fastest fitting plan
 may lie above it. With dynamic_programming, where exact tables fit, the price search's answer

@@ -18,7 +18,7 @@ from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace.ir import OpGraph
 from autopar.trace.layers import TIED_SPACE
 
-BACKENDS = ("dynamic_programming", "recursive_programming", "sharding_propagation")
+SEARCHES = ("dynamic_programming", "recursive_programming", "sharding_propagation")
 EXACT_TABLE_LIMIT = 2e7  # entries of the largest table exact elimination may build
 # Table size of mini-bucket elimination. Larger tables tighten its lower bound, not its answer:
 # 3e5 against 1e6 gave the same plans on the example and on 12-layer GPTs at 8 to 1,024
@@ -34,11 +34,11 @@ PROOF_PARTS = 40
 UNTIED_NODE_LIMIT = 400
 
 
-def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
+def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
           pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0,
           units: list[Unit] | None = None, problems: dict | None = None,
           kept_budget: float | None = None) -> tuple[Decisions, dict]:
-    """Search the strategies of `graph` on `mesh` with `backend`, the tensors in `pinned` fixed
+    """Search the strategies of `graph` on `mesh` with the search `algorithm`, the tensors in `pinned` fixed
     (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
     device charged `memory_weight` seconds (see Problem.priced).
 
@@ -49,8 +49,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
     A caller that searches one graph, mesh and pins more than once (at several memory prices)
     passes `units` (make_units(graph)) and a `problems` dict, which keeps the problems built,
     unpriced, for the next search."""
-    if backend not in BACKENDS:
-        raise AutoparError(f"unknown search {backend!r}. Fix: use one of {list(BACKENDS)}.")
+    if algorithm not in SEARCHES:
+        raise AutoparError(f"unknown search {algorithm!r}. Fix: use one of {list(SEARCHES)}.")
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     units = make_units(graph) if units is None else units
@@ -60,7 +60,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
             graph, mesh, hw, pinned, units=units)).priced(graph, mesh, memory_weight)
 
     if kept_budget is not None:
-        if backend != "dynamic_programming":
+        if algorithm != "dynamic_programming":
             raise ValueError("kept_budget is a dynamic_programming search")
         problem = full()
         if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) > EXACT_TABLE_LIMIT:
@@ -71,11 +71,11 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
         extra = {"kept_bytes": solution.stats.pop("use"),
                  "kept_budget_bytes": solution.stats.pop("budget")}
         space = "full, kept bytes within a budget"
-    elif backend == "recursive_programming":
+    elif algorithm == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
                                                    memory_weight, problems)
         space = extra.pop("space")
-    elif backend == "sharding_propagation":
+    elif algorithm == "sharding_propagation":
         if not pinned:
             raise AutoparError(
                 "search='sharding_propagation' spreads annotations, and this step has none. "
@@ -100,7 +100,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, backend: str,
             problem = full()
         fits = search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT
         if fits:
-            solution, space = search.solve(problem.graph, backend,
+            solution, space = search.solve(problem.graph, algorithm,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
         else:
             solution, space = _best_within_bound(problem, mesh)
