@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=list(quality.PROFILES),
                         help="quality suite: hardware profiles the plans are made and judged for")
     parser.add_argument("--searches", nargs="+", default=list(quality.SEARCHES),
-                        help="quality suite: our backends")
+                        help="quality suite: our searches")
     parser.add_argument("--memory-matched", action="store_true",
                         help="quality suite: also plan ours with memory_limit = the best "
                         "expert's compiled memory (one more plan and compile per case)")

@@ -1,7 +1,7 @@
 """How true the cost model's numbers are, against what XLA compiles (a diagnostic; plan quality
 against hand-written `jax.jit` shardings is the `quality` suite's).
 
-For every model, mesh and plan (our three backends; the pinned baselines of `baselines.py`,
+For every model, mesh and plan (our three searches; the pinned baselines of `baselines.py`,
 expert input specs with our search choosing the operators, so not what an expert runs): the
 cost model's estimate; from XLA's compiled program on this machine's simulated devices, collective
 bytes per device by kind (read from the HLO), peak memory (memory_analysis) and flops per
@@ -127,12 +127,12 @@ def run(model_names: list[str], mesh_names: list[str], repeats: int = 3,
             candidates += [(k, "dynamic_programming", baseline_annotations(k, family, inputs, axes))
                            for k in KINDS]
             measured: dict[tuple, dict] = {}  # equal plans are compiled once
-            for label, backend, seeds in candidates:
+            for label, search, seeds in candidates:
                 if label in KINDS and seeds is None:
                     continue
                 t0 = time.perf_counter()
                 pinned = resolve(graph, shape, seeds)
-                decisions, stats = solve(graph, shape, hw, backend, pinned)
+                decisions, stats = solve(graph, shape, hw, search, pinned)
                 plan = assemble(graph, decisions, shape, hw, label, stats, in_tree, out_tree,
                                 pinned)
                 plan_s = time.perf_counter() - t0
@@ -215,7 +215,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_ratio(r['predicted_peak_memory_bytes'], r['compiled_peak_memory_bytes'])} | "
             f"{r['compiled_flops'] / 1e9:.3f} | {r['step_ms_simulated']:.2f} |")
     lines += ["", "| model | mesh | best pinned baseline (fits memory) | ours (DP) / best: "
-              "estimated | ours / best: compiled collective bytes | best of our backends |",
+              "estimated | ours / best: compiled collective bytes | best of our searches |",
               "|---|---|---|---|---|---|"]
     for h in headlines(rows):
         coll = "-" if h["collective_bytes_over_best"] is None else \

@@ -1,4 +1,4 @@
-"""Planning at scale: search time, overhead and plan quality of both backends.
+"""Planning at scale: search time, overhead and plan quality of both searches.
 
 GPT train steps of growing depth are planned on abstract meshes of 8, 64 and 1,024 devices of a
 hardware profile (default: h100; no device is needed, nothing is allocated at full size). For each case: trace, problem-and-search
@@ -24,16 +24,16 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MESHES = {8: {"data": 2, "model": 4}, 64: {"data": 8, "model": 8}, 1024: {"data": 64, "model": 16}}
 
 
-def plan_case(layers: int, devices: int, backend: str, d_model: int, seq: int,
+def plan_case(layers: int, devices: int, search: str, d_model: int, seq: int,
               batch: int, hardware: str = "h100") -> dict[str, Any]:
     step, state, data = models.gpt_abstract(batch=batch, seq=seq, vocab=4096, d_model=d_model,
                                             heads=d_model // 64, layers=layers)
     t0 = time.perf_counter()
-    plan = autopar.plan(step, state, data, mesh=MESHES[devices], search=backend,
+    plan = autopar.plan(step, state, data, mesh=MESHES[devices], search=search,
                         hardware=hardware)
     total = time.perf_counter() - t0
     stats = plan.search_stats
-    return {"layers": layers, "devices": devices, "backend": backend, "ops": stats["ops"],
+    return {"layers": layers, "devices": devices, "search": search, "ops": stats["ops"],
             "nodes": stats["nodes"], "trace_s": stats["trace_s"],
             # every search the plan took: under a memory budget, one per price tried
             "search_s": stats.get("memory_search_s", stats["search_s"]),
@@ -43,7 +43,7 @@ def plan_case(layers: int, devices: int, backend: str, d_model: int, seq: int,
             "recomputed": len(plan.recompute)}
 
 
-def first_call_case(backend: str, repeats: int = 3) -> dict[str, Any]:
+def first_call_case(search: str, repeats: int = 3) -> dict[str, Any]:
     """autopar's first call of the 4-layer d_model-256 GPT against the first call of its
     data-parallel `jax.jit` (parameters replicated, batch split, as a user writes it) on the
     same devices, the median of `repeats` rounds: each call from fresh single-device arrays,
@@ -57,7 +57,7 @@ def first_call_case(backend: str, repeats: int = 3) -> dict[str, Any]:
     warm_step, warm_state, warm_batch = models.mlp_setup()
     jax.block_until_ready(jax.jit(warm_step, in_shardings=(replicated, split))(
         warm_state, warm_batch))
-    jax.block_until_ready(autopar.auto_parallel(warm_step, mesh=mesh, search=backend)(
+    jax.block_until_ready(autopar.auto_parallel(warm_step, mesh=mesh, search=search)(
         warm_state, warm_batch))
 
     def example() -> tuple:
@@ -76,7 +76,7 @@ def first_call_case(backend: str, repeats: int = 3) -> dict[str, Any]:
             step, state, batch = example()
             compiles.clear()
             t0 = time.perf_counter()
-            stepper = autopar.auto_parallel(step, mesh=mesh, search=backend)
+            stepper = autopar.auto_parallel(step, mesh=mesh, search=search)
             jax.block_until_ready(stepper(state, batch))
             ours, ours_compile = time.perf_counter() - t0, sum(compiles)
             stats = stepper.plan(state, batch).search_stats
@@ -95,7 +95,7 @@ def first_call_case(backend: str, repeats: int = 3) -> dict[str, Any]:
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    return {"backend": backend, "repeats": repeats, "devices": n, **median}
+    return {"search": search, "repeats": repeats, "devices": n, **median}
 
 
 def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: int,
@@ -103,11 +103,11 @@ def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: in
     rows = []
     for layers in depths:
         for n in devices:
-            for backend in ("recursive_programming", "dynamic_programming"):
-                if backend == "dynamic_programming" and layers > dp_max_layers:
+            for search in ("recursive_programming", "dynamic_programming"):
+                if search == "dynamic_programming" and layers > dp_max_layers:
                     continue
-                row = plan_case(layers, n, backend, d_model, seq, batch, hardware)
-                log(f"  {layers:3d} layers, {n:5d} devices, {backend:22s} "
+                row = plan_case(layers, n, search, d_model, seq, batch, hardware)
+                log(f"  {layers:3d} layers, {n:5d} devices, {search:22s} "
                     f"search {row['search_s']:7.2f}s total {row['total_s']:7.2f}s "
                     f"plan {row['plan_step_ms']:9.3f} ms")
                 rows.append(row)
@@ -121,22 +121,22 @@ def markdown(result: dict[str, Any]) -> str:
              "Where the plan that is fastest does not fit the profile's memory, the planner "
              "searches again at memory prices (and with layers recomputed): `searches` counts "
              "them and `search s` is their sum.", "",
-             "| layers | devices | backend | ops | nodes | trace s | searches | search s | "
+             "| layers | devices | search | ops | nodes | trace s | searches | search s | "
              "total s | plan ms/step | recomputed layers | exact | RP/DP cost |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    dp = {(r["layers"], r["devices"]): r for r in rows if r["backend"] == "dynamic_programming"}
+    dp = {(r["layers"], r["devices"]): r for r in rows if r["search"] == "dynamic_programming"}
     for r in rows:
         ratio = ""
-        if r["backend"] == "recursive_programming" and (r["layers"], r["devices"]) in dp:
+        if r["search"] == "recursive_programming" and (r["layers"], r["devices"]) in dp:
             ratio = f"{r['plan_step_ms'] / dp[(r['layers'], r['devices'])]['plan_step_ms']:.3f}"
         exact = {True: "yes", False: f"no (gap {r['gap']:.1%})" if r["gap"] is not None else "no",
                  None: ""}[r["exact"]]
-        lines.append(f"| {r['layers']} | {r['devices']} | {r['backend']} | {r['ops']} | "
+        lines.append(f"| {r['layers']} | {r['devices']} | {r['search']} | {r['ops']} | "
                      f"{r['nodes']} | {r['trace_s']:.2f} | {r.get('searches', 1)} | "
                      f"{r['search_s']:.2f} | {r['total_s']:.2f} | {r['plan_step_ms']:.3f} | "
                      f"{r.get('recomputed', 0)} | {exact} | {ratio} |")
     rp = {(r["layers"], r["devices"]): r for r in rows
-          if r["backend"] == "recursive_programming"}
+          if r["search"] == "recursive_programming"}
     depths = sorted({k[0] for k in rp})
     if len(depths) > 1:
         lines += ["", f"recursive_programming search time, {depths[-1]} layers over {depths[0]} "
@@ -157,12 +157,12 @@ def markdown(result: dict[str, Any]) -> str:
               "`jax.jit(step, in_shardings=(replicated, batch split))`. Medians of rounds. "
               "XLA compiles the two plans, which differ, in different times: the last column "
               "leaves XLA's compile out of both sides, to show what autopar itself adds.", "",
-              "| backend | devices | autopar first call s | of which trace s | "
+              "| search | devices | autopar first call s | of which trace s | "
               "of which search s | of which XLA compile s | jax.jit first call s | "
               "of which XLA compile s | ratio | ratio without XLA compile |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for o in result["first_call"]:
-        lines.append(f"| {o['backend']} | {o['devices']} | {o['autopar_first_call_s']:.2f} | "
+        lines.append(f"| {o['search']} | {o['devices']} | {o['autopar_first_call_s']:.2f} | "
                      f"{o['trace_s']:.2f} | {o['search_s']:.2f} | {o['autopar_compile_s']:.2f} | "
                      f"{o['jit_first_call_s']:.2f} | {o['jit_compile_s']:.2f} | "
                      f"{o['ratio']:.2f} | {o['ratio_without_compile']:.2f} |")

@@ -1,6 +1,6 @@
 """Sharding propagation against the search: what a few annotations spread to, and its cost.
 
-For GPT train steps, two sets of annotations are planned with every backend:
+For GPT train steps, two sets of annotations are planned with every search:
 - "batch": only the batch inputs, split over 'data';
 - "megatron": the batch plus the attention and MLP kernels, column then row parallel over
   'model'.
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 import models
 
-BACKENDS = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+ALGORITHMS = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 ANNOTATIONS = {
     "batch": {r"^batch/": P("data")},
     "megatron": {
@@ -50,35 +50,35 @@ def run(cases: list[tuple], log: Callable[[str], None] = print) -> dict[str, Any
         reference = autopar.plan(step, state, batch, mesh=mesh, hardware=hardware)
         for kind, rules in ANNOTATIONS.items():
             by_backend = {}
-            for backend in BACKENDS:
+            for search in ALGORITHMS:
                 t0 = time.perf_counter()
-                plan = autopar.plan(step, state, batch, mesh=mesh, search=backend,
+                plan = autopar.plan(step, state, batch, mesh=mesh, search=search,
                                     hardware=hardware, annotations=rules)
                 elapsed = time.perf_counter() - t0
-                by_backend[backend] = plan
+                by_backend[search] = plan
                 forward = [o for o in plan.ops if not o.backward and "model" in o.partial_axes]
                 rows.append({
-                    "case": name, "mesh": mesh, "annotations": kind, "backend": backend,
+                    "case": name, "mesh": mesh, "annotations": kind, "search": search,
                     "plan_step_ms": plan.cost["total_s"] * 1e3,
                     "unannotated_dp_ms": reference.cost["total_s"] * 1e3,
                     "forward_all_reduces_model": len(forward),
                     "search_s": plan.search_stats["search_s"], "total_s": elapsed,
                     "dp_gap": plan.search_stats.get("gap")})
             dp = by_backend["dynamic_programming"].cost["total_s"]
-            for row in rows[-len(BACKENDS):]:
+            for row in rows[-len(ALGORITHMS):]:
                 row["over_dp"] = row["plan_step_ms"] / 1e3 / dp
-                log(f"{name} {kind:<8} {row['backend']:<22} {row['plan_step_ms']:.3f} ms "
+                log(f"{name} {kind:<8} {row['search']:<22} {row['plan_step_ms']:.3f} ms "
                     f"({row['over_dp']:.3f}x DP) search {row['search_s']:.2f}s")
     return {"propagation": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| case | mesh | annotations | backend | est. step ms | / DP same annotations "
+    lines = ["| case | mesh | annotations | search | est. step ms | / DP same annotations "
              "| / DP unannotated | fwd all-reduces over 'model' | search s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["propagation"]:
         mesh = "x".join(str(s) for s in r["mesh"].values())
-        lines.append(f"| {r['case']} | {mesh} | {r['annotations']} | {r['backend']} | "
+        lines.append(f"| {r['case']} | {mesh} | {r['annotations']} | {r['search']} | "
                      f"{r['plan_step_ms']:.3f} | {r['over_dp']:.3f} | "
                      f"{r['plan_step_ms'] / r['unannotated_dp_ms']:.3f} | "
                      f"{r['forward_all_reduces_model']} | {r['search_s']:.2f} |")

@@ -2,21 +2,21 @@
 
 Pure optimisation over a :class:`CostGraph` (numpy only): pick one strategy
 per node minimising node plus pairwise edge costs.  Backends register
-themselves in :data:`BACKENDS`; :func:`solve` dispatches by name.
+themselves in :data:`ALGORITHMS`; :func:`solve` dispatches by name.
 """
 
 from .costgraph import (
-    BACKENDS,
+    ALGORITHMS,
     CostGraph,
     CostGraphBuilder,
     InfeasibleError,
     SearchTooLargeError,
     Solution,
-    register_backend,
+    register_algorithm,
     solve,
 )
 
-# Imported for their side effect of registering a backend.
+# Imported for their side effect of registering an algorithm.
 from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
@@ -30,14 +30,14 @@ from .recursive_programming import solve_recursive_programming
 from .sharding_propagation import solve_sharding_propagation
 
 __all__ = [
-    "BACKENDS",
+    "ALGORITHMS",
     "CostGraph",
     "CostGraphBuilder",
     "InfeasibleError",
     "largest_table",
     "SearchTooLargeError",
     "Solution",
-    "register_backend",
+    "register_algorithm",
     "solve",
     "solve_bounded",
     "solve_constrained",

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from .costgraph import CostGraph, InfeasibleError, Solution, register_backend
+from .costgraph import CostGraph, InfeasibleError, Solution, register_algorithm
 
 __all__ = ["solve_brute_force"]
 
@@ -65,4 +65,4 @@ def solve_brute_force(graph: CostGraph, *, max_assignments: int = 1_000_000) -> 
     return Solution(choice, graph.total_cost(choice), stats)
 
 
-register_backend("brute_force", solve_brute_force)
+register_algorithm("brute_force", solve_brute_force)

@@ -1,8 +1,8 @@
-"""The strategy-selection problem shared by every search backend.
+"""The strategy-selection problem shared by every search algorithm.
 
 A :class:`CostGraph` holds nodes with a vector of candidate-strategy costs
-and edges with a matrix of pairwise costs.  A backend picks one strategy per
-node minimising the total; :func:`solve` dispatches to a backend by name.
+and edges with a matrix of pairwise costs.  An algorithm picks one strategy per
+node minimising the total; :func:`solve` dispatches to an algorithm by name.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = [
-    "BACKENDS",
+    "ALGORITHMS",
     "CostGraph",
     "CostGraphBuilder",
     "InfeasibleError",
     "SearchTooLargeError",
     "Solution",
-    "register_backend",
+    "register_algorithm",
     "solve",
 ]
 
@@ -31,7 +31,7 @@ class InfeasibleError(ValueError):
 
 
 class SearchTooLargeError(ValueError):
-    """Raised when an exact backend would need tables beyond its size limit."""
+    """Raised when an exact algorithm would need tables beyond its size limit."""
 
 
 def _as_cost_array(values: Any, ndim: int, what: str) -> np.ndarray:
@@ -156,7 +156,7 @@ class CostGraph:
     def local_view(self) -> tuple[list[np.ndarray], list[list[tuple[int, np.ndarray]]]]:
         """Each node's own costs with its self-edges folded in, and its edges to other nodes
         as (neighbour, matrix indexed [own strategy, neighbour's strategy]): what greedy
-        backends look at when they decide one node."""
+        algorithms look at when they decide one node."""
         own = [np.array(c, dtype=np.float64) for c in self.node_costs]
         incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in own]
         for u, v, m in self.edges:
@@ -222,38 +222,38 @@ class CostGraphBuilder:
 
 @dataclass(frozen=True, eq=False)
 class Solution:
-    """One strategy index per node, its total cost and backend statistics."""
+    """One strategy index per node, its total cost and algorithm statistics."""
 
     choice: np.ndarray
     cost: float
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-Backend = Callable[..., Solution]
+Algorithm = Callable[..., Solution]
 
-#: Backends by name; each is called as ``backend(graph, **options)``.
-BACKENDS: dict[str, Backend] = {}
-
-
-def register_backend(name: str, backend: Backend) -> None:
-    """Make ``backend`` available to :func:`solve` under ``name``."""
-    BACKENDS[name] = backend
+#: Algorithms by name; each is called as ``algorithm(graph, **options)``.
+ALGORITHMS: dict[str, Algorithm] = {}
 
 
-def solve(graph: CostGraph, backend: str = "dynamic_programming", **options: Any) -> Solution:
+def register_algorithm(name: str, algorithm: Algorithm) -> None:
+    """Make ``algorithm`` available to :func:`solve` under ``name``."""
+    ALGORITHMS[name] = algorithm
+
+
+def solve(graph: CostGraph, algorithm: str = "dynamic_programming", **options: Any) -> Solution:
     """Choose one strategy per node of ``graph`` minimising the total cost.
 
-    ``options`` are passed to the backend.  Raises :class:`InfeasibleError`
+    ``options`` are passed to the algorithm.  Raises :class:`InfeasibleError`
     when every assignment costs ``inf`` and ``ValueError`` for an unknown
-    backend name.
+    algorithm name.
     """
     try:
-        fn = BACKENDS[backend]
+        fn = ALGORITHMS[algorithm]
     except KeyError:
-        known = ", ".join(sorted(BACKENDS)) or "(none registered)"
-        raise ValueError(f"unknown search backend {backend!r}; known backends: {known}") from None
+        known = ", ".join(sorted(ALGORITHMS)) or "(none registered)"
+        raise ValueError(f"unknown search algorithm {algorithm!r}; known algorithms: {known}") from None
     start = time.perf_counter()
     sol = fn(graph, **options)
-    sol.stats.setdefault("backend", backend)
+    sol.stats.setdefault("algorithm", algorithm)
     sol.stats.setdefault("seconds", time.perf_counter() - start)
     return sol

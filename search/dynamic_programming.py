@@ -32,7 +32,7 @@ from .costgraph import (
     InfeasibleError,
     SearchTooLargeError,
     Solution,
-    register_backend,
+    register_algorithm,
 )
 
 __all__ = ["solve_dynamic_programming"]
@@ -303,7 +303,7 @@ def _eliminate(
                 f"eliminating {graph.name(x)} needs a table of {joint} entries "
                 f"({dims}, {len(scope)} neighbours), above max_factor_size="
                 f"{max_factor_size:g}; the graph is too densely connected for "
-                "exact dynamic programming, use backend 'recursive_programming' "
+                "exact dynamic programming, use algorithm 'recursive_programming' "
                 "or raise max_factor_size"
             )
         largest = max(largest, joint)
@@ -391,4 +391,4 @@ def solve_dynamic_programming(
     return Solution(choice, cost, stats)
 
 
-register_backend("dynamic_programming", solve_dynamic_programming)
+register_algorithm("dynamic_programming", solve_dynamic_programming)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .costgraph import CostGraph, InfeasibleError, Solution, register_backend
+from .costgraph import CostGraph, InfeasibleError, Solution, register_algorithm
 
 
 def solve_recursive_programming(graph: CostGraph, *, sweeps: int = 3) -> Solution:
@@ -55,4 +55,4 @@ def solve_recursive_programming(graph: CostGraph, *, sweeps: int = 3) -> Solutio
                                    "seconds": time.perf_counter() - start})
 
 
-register_backend("recursive_programming", solve_recursive_programming)
+register_algorithm("recursive_programming", solve_recursive_programming)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .costgraph import CostGraph, InfeasibleError, Solution, register_backend
+from .costgraph import CostGraph, InfeasibleError, Solution, register_algorithm
 
 TIE = 1e-9  # relative: resharding costs this close count as equal
 
@@ -100,4 +100,4 @@ def _least(resharding: np.ndarray, own: np.ndarray, name: str) -> int:
     return int(np.flatnonzero(tied)[np.argmin(own[tied])])
 
 
-register_backend("sharding_propagation", solve_sharding_propagation)
+register_algorithm("sharding_propagation", solve_sharding_propagation)

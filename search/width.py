@@ -3,7 +3,7 @@
 `EliminationOrder` picks next the variable whose elimination builds the smallest table (ties:
 fewest neighbours), with a heap whose stale entries are skipped, so thousands of variables stay
 cheap. `largest_table` runs it on the graph's structure alone: pruning can only shrink tables,
-so this bounds what the exact backend will allocate, and a caller can choose another method
+so this bounds what the exact algorithm will allocate, and a caller can choose another method
 before paying for tables.
 """
 from __future__ import annotations

@@ -3,10 +3,10 @@ from benchmarks import planning, propagation
 
 
 def test_planning_benchmark_smoke():
-    row = planning.plan_case(layers=1, devices=8, backend="recursive_programming", d_model=64,
+    row = planning.plan_case(layers=1, devices=8, search="recursive_programming", d_model=64,
                              seq=8, batch=16)
     assert row["ops"] > 0 and row["total_s"] >= row["search_s"] > 0
-    dp = planning.plan_case(layers=1, devices=8, backend="dynamic_programming", d_model=64,
+    dp = planning.plan_case(layers=1, devices=8, search="dynamic_programming", d_model=64,
                             seq=8, batch=16)
     table = planning.markdown({"planning": [row, dp], "first_call": []})
     assert "| 1 | 8 | recursive_programming |" in table
@@ -17,9 +17,9 @@ def test_propagation_benchmark_smoke():
              {"data": 2, "model": 4}, "cpu")]
     result = propagation.run(tiny, log=lambda line: None)
     rows = result["propagation"]
-    assert len(rows) == 2 * len(propagation.BACKENDS)
+    assert len(rows) == 2 * len(propagation.ALGORITHMS)
     # DP under the same annotations is the reference of each group.
-    assert all(r["over_dp"] == 1.0 for r in rows if r["backend"] == "dynamic_programming")
+    assert all(r["over_dp"] == 1.0 for r in rows if r["search"] == "dynamic_programming")
     assert "| tiny GPT | 2x4 | megatron | sharding_propagation |" in propagation.markdown(result)
 
 

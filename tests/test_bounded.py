@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from search import CostGraph, solve
-from search.bounded import solve_bounded
+from autopar_search import CostGraph, solve
+from autopar_search.bounded import solve_bounded
 
 
 def random_graph(rng, n, k_max, p):

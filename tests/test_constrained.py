@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from search import CostGraph, InfeasibleError
-from search.constrained import solve_constrained
+from autopar_search import CostGraph, InfeasibleError
+from autopar_search.constrained import solve_constrained
 
 
 def random_problem(seed):

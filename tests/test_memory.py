@@ -394,8 +394,8 @@ def test_plan_json_keeps_memory_and_recompute():
     assert "memory at its peak of 1024.0 MiB allowed" in plan.summary()
 
 
-@pytest.mark.parametrize("backend", ["dynamic_programming", "recursive_programming"])
-def test_problems_kept_across_prices_search_as_fresh_ones(backend):
+@pytest.mark.parametrize("search", ["dynamic_programming", "recursive_programming"])
+def test_problems_kept_across_prices_search_as_fresh_ones(search):
     """The budget searches one graph at many prices and keeps the problems it built, unpriced;
     each search must find what a search of freshly built problems finds."""
     step, state, batch = gpt()
@@ -403,8 +403,8 @@ def test_problems_kept_across_prices_search_as_fresh_ones(backend):
     shape = autopar.mesh.mesh_shape({"data": 2, "model": 4})
     units, kept = make_units(graph), {}
     for price in (0.0, 1e-9, 1e-7, 1e-9):
-        reused, _ = solve(graph, shape, SLOW_LINKS, backend, None, price, units, kept)
-        fresh, _ = solve(graph, shape, SLOW_LINKS, backend, None, price)
+        reused, _ = solve(graph, shape, SLOW_LINKS, search, None, price, units, kept)
+        fresh, _ = solve(graph, shape, SLOW_LINKS, search, None, price)
         assert reused.ops == fresh.ops and reused.inputs == fresh.inputs
     assert kept  # the problems were kept, not built again
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from search import CostGraph, solve
+from autopar_search import CostGraph, solve
 
 # Two strategies per node: 0 = "split one way", 1 = "split the other way".
 SWITCH = np.array([[0.0, 5.0], [5.0, 0.0]])

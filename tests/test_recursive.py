@@ -8,7 +8,7 @@ import pytest
 from helpers import check_against_single_device
 
 import autopar
-import search
+import autopar_search as search
 
 
 def abstract(tree):
@@ -46,11 +46,11 @@ def test_dynamic_programming_on_six_devices():
     assert_divisible(plan)
 
 
-@pytest.mark.parametrize("backend", ["recursive_programming", "dynamic_programming"])
-def test_indivisible_dimensions_never_split(backend):
+@pytest.mark.parametrize("search", ["recursive_programming", "dynamic_programming"])
+def test_indivisible_dimensions_never_split(search):
     step, state, batch = models.gpt_setup(batch=10, seq=12)  # 10 and 12 are not multiples of 8
     plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"x": 3, "y": 4},
-                        search=backend)
+                        search=search)
     assert_divisible(plan)
 
 
@@ -95,13 +95,13 @@ def test_greedy_backend_against_brute_force():
         assert greedy.cost == pytest.approx(g.total_cost(greedy.choice))
 
 
-@pytest.mark.parametrize("backend", ["recursive_programming", "dynamic_programming"])
-def test_repeated_layers_are_planned_once(backend):
+@pytest.mark.parametrize("search", ["recursive_programming", "dynamic_programming"])
+def test_repeated_layers_are_planned_once(search):
     nodes, plans = [], []
     for layers in (2, 4):
         step, state, batch = models.gpt_setup(layers=layers)
         plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 2, "model": 4},
-                            search=backend)
+                            search=search)
         nodes.append(plan.search_stats["nodes"])
         plans.append(plan)
     assert nodes[0] == nodes[1], "the search grows with distinct layers, not with depth"

@@ -1,4 +1,4 @@
-"""Tests for the pure strategy-search package ``search`` (no jax needed)."""
+"""Tests for the pure search library (folder `search/`, installed as `autopar_search`): no jax."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import search
-from search import (
-    BACKENDS,
+import autopar_search as search
+from autopar_search import (
+    ALGORITHMS,
     CostGraph,
     CostGraphBuilder,
     InfeasibleError,
@@ -98,10 +98,10 @@ def _with_duplicated_strategy(b: CostGraphBuilder, u: int) -> CostGraphBuilder:
     return out
 
 
-def _outcome(graph: CostGraph, backend: str, **options: object) -> float | None:
+def _outcome(graph: CostGraph, algorithm: str, **options: object) -> float | None:
     """Optimal cost, or None when infeasible; checks the reported choice."""
     try:
-        sol = solve(graph, backend, **options)
+        sol = solve(graph, algorithm, **options)
     except InfeasibleError:
         return None
     assert sol.choice.shape == (graph.num_nodes(),)
@@ -255,9 +255,9 @@ def test_infeasible_graph_raises() -> None:
         (np.array([0.0, 1.0]), np.array([0.0, 1.0])),
         ((0, 1, np.array([[inf, 0.0], [inf, inf]])), (1, 0, np.array([[inf, inf], [inf, inf]]))),
     )
-    for backend in ("dynamic_programming", "brute_force"):
+    for algorithm in ("dynamic_programming", "brute_force"):
         with pytest.raises(InfeasibleError, match="infinite"):
-            solve(graph, backend)
+            solve(graph, algorithm)
     with pytest.raises(InfeasibleError):
         solve(CostGraph((np.array([inf, inf]),), ()))
     with pytest.raises(InfeasibleError):
@@ -269,7 +269,7 @@ def test_unknown_backend_lists_known_ones() -> None:
     with pytest.raises(ValueError, match="dynamic_programming") as info:
         solve(graph, "simulated_annealing")
     assert "brute_force" in str(info.value)
-    assert {"dynamic_programming", "brute_force"} <= set(BACKENDS)
+    assert {"dynamic_programming", "brute_force"} <= set(ALGORITHMS)
 
 
 def test_malformed_graphs_rejected() -> None:
@@ -351,7 +351,7 @@ def test_input_arrays_are_not_modified() -> None:
 
 def test_search_never_imports_jax() -> None:
     code = (
-        "import sys, search; "
+        "import sys, autopar_search; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'autopar')); "
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -384,5 +384,16 @@ def test_search_sources_import_only_allowed_modules() -> None:
 
 def test_package_exports() -> None:
     for name in ("CostGraph", "CostGraphBuilder", "Solution", "InfeasibleError",
-                 "SearchTooLargeError", "solve", "BACKENDS", "register_backend"):
+                 "SearchTooLargeError", "solve", "ALGORITHMS", "register_algorithm"):
         assert hasattr(search, name)
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject lists packages by hand (the search folder installs under another name), so a
+    new folder must be added there; this catches one that was not."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "autopar").rglob("__init__.py")}
+    assert set(config["packages"]) == folders | {"autopar_search"}
+    assert config["package-dir"] == {"autopar_search": "search"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import search
+import autopar_search as search
 from autopar.cost.hardware import Hardware
 from autopar.mesh import MeshShape
 from autopar.planning.problem import (Extension, Problem, Unit, build_problem, kept_problem,

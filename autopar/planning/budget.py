@@ -36,7 +36,7 @@ from autopar.mesh import MeshShape
 from autopar.plan import Decisions
 from autopar.trace.analysis import layer_steps, roles
 from autopar.trace.ir import OpGraph
-from search import SearchTooLargeError
+from autopar_search import SearchTooLargeError
 
 RAISES = 12  # price rises of 8x before giving up on prices alone (8**12 ~ 7e10)
 BISECTIONS = 5

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-import search
+import autopar_search as search
 from autopar.cost.hardware import Hardware
 from autopar.cost.model import (op_signature, op_time, reshard_terms, shard_bytes, value_facts,
                                 weight_gradients)

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-import search
+import autopar_search as search
 from autopar.cost.hardware import Hardware
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
