@@ -16,6 +16,7 @@ from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.liveness import mib
 from autopar.cost.memory import parse_bytes
+from autopar.cost.xla import buffer_model
 from autopar.errors import AutoparError
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
@@ -212,22 +213,31 @@ class AutoParallel:
 
     def _make(self, call: Call) -> _Signature:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
-        fn, args = call.step(), call.abstract()
         requested = self.requested
         shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
         if self.saved is not None:
-            graph, in_tree, out_shape = trace(fn, args, call.donated)
-            decisions = decisions_from_plan(graph, self.saved, shape)
-            out_tree = jax.tree_util.tree_structure(out_shape)
-            # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
-            # running the step needs the decisions alone.
-            assembled = functools.partial(
-                assemble, graph, decisions, shape, self.hw, self.saved.search,
-                dict(self.saved.search_stats), in_tree, out_tree)
-            return self._signature(graph, decisions, dict(self.saved.mesh),
-                                   output_specs(graph, decisions), out_tree, assembled)
-        planning = Planning.traced(fn, args, self.hw, self.search, self.annotations,
-                                   call.donated, compiler_platform(self.requested, self.hw))
+            return self._from_saved(call, shape)
+        return self._planned(call, shape)
+
+    def _from_saved(self, call: Call, shape: MeshShape) -> _Signature:
+        """The saved plan's decisions applied to this step: no search."""
+        graph, in_tree, out_shape = trace(call.step(), call.abstract(), call.donated)
+        decisions = decisions_from_plan(graph, self.saved, shape)
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
+        # running the step needs the decisions alone.
+        assembled = functools.partial(
+            assemble, graph, decisions, shape, self.hw, self.saved.search,
+            dict(self.saved.search_stats), in_tree, out_tree,
+            buffers=buffer_model(compiler_platform(self.requested, self.hw)))
+        return self._signature(graph, decisions, dict(self.saved.mesh),
+                               output_specs(graph, decisions), out_tree, assembled)
+
+    def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
+        """The searched plan, compiled to check where the memory estimate may be wrong."""
+        planning = Planning.traced(call.step(), call.abstract(), self.hw, self.search,
+                                   self.annotations, call.donated,
+                                   compiler_platform(self.requested, self.hw))
         limit = self.memory_limit
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):

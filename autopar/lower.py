@@ -34,131 +34,162 @@ from jax.sharding import Mesh, NamedSharding
 
 from autopar.cost.model import partial_split
 from autopar.plan import Decisions
-from autopar.rules.factors import Spec, to_partition_spec
-from autopar.rules.table import ELEMENTWISE
+from autopar.rules.factors import Spec, Strategy, to_partition_spec
+from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
 from autopar.trace.analysis import backward_steps, recomputed_layer_of
-from autopar.trace.ir import OpGraph
+from autopar.trace.ir import OpGraph, Step
 
 
 def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
                 out_specs: Sequence[Spec]) -> Callable[..., list[Any]]:
     """A function of the flat inputs that computes the flat outputs under the plan."""
-    produced = decisions.tensor_specs(graph)
-    recompute = decisions.recompute
-    made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
-    layer_of = recomputed_layer_of(graph, recompute)
-    outside = _remat_inputs(graph, made_by)
-    backward = backward_steps(graph) if recompute or outside else set()
-    # Steps that are one planning op whose partial sums need explicit collectives: run under
-    # shard_map with psum / psum_scatter (see `_explicit`).
-    op_of = {op.outputs[0]: op for op in graph.ops if len(op.outputs) == 1}
-    explicit = {}
-    for i, step in enumerate(graph.program):
-        op = op_of.get(step.outputs[0]) if _one_result(step) else None
-        if op is not None and op.inputs == step.inputs and (
-                how := _explicit(op.primitive, decisions.ops[op.id])) is not None:
-            explicit[i] = how
+    lowering = _Lowering(graph, decisions, mesh)
 
-    resharded = {t for step in graph.program for t, need in zip(step.inputs, step.requires)
-                 if need is not None
-                 and decisions.ops[need[0]].in_specs[need[1]] != produced.get(t)}
+    def run(*flat_args: Any) -> list[Any]:
+        return _Run(lowering, flat_args).outputs(out_specs)
 
-    def carried(step: Any, t: int, read_as: list[tuple[tuple[int, ...], Spec | None]]) -> bool:
+    return run
+
+
+class _Lowering:
+    """What the plan says of each program step: the specs its operands are read in and its
+    results constrained to, which steps run with explicit collectives, which are recomputed."""
+
+    def __init__(self, graph: OpGraph, decisions: Decisions, mesh: Mesh) -> None:
+        self.graph, self.decisions, self.mesh = graph, decisions, mesh
+        self.produced = decisions.tensor_specs(graph)
+        self.recompute = decisions.recompute
+        self.made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
+        self.layer_of = recomputed_layer_of(graph, self.recompute)
+        self.outside = _remat_inputs(graph, self.made_by)
+        self.backward = (backward_steps(graph) if self.recompute or self.outside else set())
+        # Steps that are one planning op whose partial sums need explicit collectives: run
+        # under shard_map with psum / psum_scatter (see `explicit_collectives`).
+        op_of = {op.outputs[0]: op for op in graph.ops if len(op.outputs) == 1}
+        self.explicit = {}
+        for i, step in enumerate(graph.program):
+            op = op_of.get(step.outputs[0]) if _one_result(step) else None
+            if op is not None and op.inputs == step.inputs and (
+                    how := explicit_collectives(op.primitive, decisions.ops[op.id])) is not None:
+                self.explicit[i] = how
+        self.resharded = {t for step in graph.program for t, need in zip(step.inputs, step.requires)
+                          if need is not None
+                          and decisions.ops[need[0]].in_specs[need[1]] != self.produced.get(t)}
+
+    def carried(self, step: Step, t: int, read_as: list[tuple[tuple[int, ...], Spec | None]]
+                ) -> bool:
         """Whether XLA's propagation gives result `t` of `step` its planned sharding unasked
         (see the module's docstring)."""
-        if step.eqn is None or step.eqn.primitive.name not in ELEMENTWISE or t in resharded:
+        if step.eqn is None or step.eqn.primitive.name not in ELEMENTWISE or t in self.resharded:
             return False
-        alike = [spec for shape, spec in read_as if shape == graph.tensors[t].shape]
-        return bool(alike) and all(spec == produced[t] for spec in alike)
+        alike = [spec for shape, spec in read_as if shape == self.graph.tensors[t].shape]
+        return bool(alike) and all(spec == self.produced[t] for spec in alike)
 
-    def constrain(value: Any, spec: Spec) -> Any:
-        primitive, params = _constraint(mesh, spec)
+    def constrain(self, value: Any, spec: Spec) -> Any:
+        primitive, params = _constraint(self.mesh, spec)
         return primitive.bind(value, **params)
 
-    def execute(i: int, read: Callable[[int], Any]) -> list[Any]:
+    def execute(self, i: int, read: Callable[[int], Any]) -> list[Any]:
         """Run program step i on the values `read` gives; results constrained as planned."""
-        step = graph.program[i]
+        step, produced = self.graph.program[i], self.produced
         values, read_as = [], []
         for t, need in zip(step.inputs, step.requires):
             value, spec = read(t), produced.get(t)
             if need is not None:
-                spec = decisions.ops[need[0]].in_specs[need[1]]
+                spec = self.decisions.ops[need[0]].in_specs[need[1]]
                 if spec != produced.get(t):
-                    value = constrain(value, spec)
+                    value = self.constrain(value, spec)
             values.append(value)
-            read_as.append((graph.tensors[t].shape, spec))
+            read_as.append((self.graph.tensors[t].shape, spec))
         if step.eqn is None:
             results = values
         else:
             eqn = step.eqn
             params = eqn.primitive.get_bind_params(eqn.params)
             with eqn.ctx.manager:
-                if i in explicit:
-                    out = _bind_explicit(mesh, eqn.primitive, params, values, *explicit[i])
+                if i in self.explicit:
+                    out = bind_explicit(self.mesh, eqn.primitive, params, values,
+                                         *self.explicit[i])
                 else:
                     out = eqn.primitive.bind(*values, **params)
             results = out if eqn.primitive.multiple_results else [out]
-        return [constrain(v, produced[t]) if produced.get(t) and not carried(step, t, read_as)
-                else v for t, v in zip(step.outputs, results)]
+        return [self.constrain(v, produced[t])
+                if produced.get(t) and not self.carried(step, t, read_as) else v
+                for t, v in zip(step.outputs, results)]
 
-    def run(*flat_args: Any) -> list[Any]:
-        env: dict[int, Any] = dict(zip(graph.inputs, flat_args))
-        again: dict[int, Any] = {}  # values of the recomputed steps' second run
-        held: dict[int, Any] = {}  # their outside inputs, read through the barrier
-        barred: dict[int, dict[int, Any]] = {}  # remat -> its outside inputs, barred together
 
-        def read(t: int) -> Any:
-            return env[t] if t in env else graph.const_values[t]
+class _Run:
+    """One run of the program under the plan: the forward and backward values, and the
+    recomputations the plan asks for, ordered after the backward pass reaches them."""
 
-        def reread(t: int, anchor: Any, layer: str | None = None) -> Any:
-            """A value for a recomputation (of `layer`) or for the backward pass: a result of a
-            recomputed step of that layer is recomputed (once); any other value, such as the
-            layer's input from the layer before, is the forward pass's, read after `anchor`."""
-            i = made_by.get(t)
-            if i not in recompute or layer not in (None, layer_of[i]):
-                if t not in env:  # a constant
-                    return read(t)
-                if t not in held:
-                    held[t] = _hold([env[t]], anchor)[0]
-                return held[t]
-            if t not in again:
-                again.update(zip(graph.program[i].outputs,
-                                 execute(i, lambda u: reread(u, anchor, layer_of[i]))))
-            return again[t]
+    def __init__(self, lowering: _Lowering, flat_args: Sequence[Any]) -> None:
+        self.lowering, self.graph = lowering, lowering.graph
+        self.env: dict[int, Any] = dict(zip(self.graph.inputs, flat_args))
+        self.again: dict[int, Any] = {}  # values of the recomputed steps' second run
+        self.held: dict[int, Any] = {}  # their outside inputs, read through the barrier
+        self.barred: dict[int, dict[int, Any]] = {}  # remat -> its outside inputs, barred together
+        self.latest: Any = None  # the backward pass's latest value: what a recomputation waits for
 
-        def inside(path: tuple[int, ...], t: int) -> Any:
-            """A value as the remat `path[-1]`, inside the remats `path[:-1]`, reads it: a value
-            from outside it through its barrier, which reads the value as the enclosing remat
-            does (or the plan's recomputation, or the forward pass)."""
-            g = path[-1]
-            if t not in outside[g]:
-                return read(t)
-            if g not in barred:
-                anchor = next((env[u] for u in outside[g] if made_by.get(u) in backward),
-                              latest)
-                values = [inside(path[:-1], u) if len(path) > 1 else
-                          reread(u, anchor) if made_by.get(u) in recompute else read(u)
-                          for u in outside[g]]
-                barred[g] = dict(zip(outside[g], _hold(values, anchor)))
-            return barred[g][t]
+    def read(self, t: int) -> Any:
+        return self.env[t] if t in self.env else self.graph.const_values[t]
 
-        latest: Any = None  # the backward pass's latest value: what a recomputation waits for
-        for i, step in enumerate(graph.program):
-            reader = read
+    def recomputed(self, t: int) -> bool:
+        return self.lowering.made_by.get(t) in self.lowering.recompute
+
+    def reread(self, t: int, anchor: Any, layer: str | None = None) -> Any:
+        """A value for a recomputation (of `layer`) or for the backward pass: a result of a
+        recomputed step of that layer is recomputed (once); any other value, such as the
+        layer's input from the layer before, is the forward pass's, read after `anchor`."""
+        low = self.lowering
+        i = low.made_by.get(t)
+        if i not in low.recompute or layer not in (None, low.layer_of[i]):
+            if t not in self.env:  # a constant
+                return self.read(t)
+            if t not in self.held:
+                self.held[t] = _hold([self.env[t]], anchor)[0]
+            return self.held[t]
+        if t not in self.again:
+            self.again.update(zip(self.graph.program[i].outputs, low.execute(
+                i, lambda u: self.reread(u, anchor, low.layer_of[i]))))
+        return self.again[t]
+
+    def inside(self, path: tuple[int, ...], t: int) -> Any:
+        """A value as the remat `path[-1]`, inside the remats `path[:-1]`, reads it: a value
+        from outside it through its barrier, which reads the value as the enclosing remat
+        does (or the plan's recomputation, or the forward pass)."""
+        low, g = self.lowering, path[-1]
+        if t not in low.outside[g]:
+            return self.read(t)
+        if g not in self.barred:
+            anchor = self.anchor(low.outside[g])
+            values = [self.inside(path[:-1], u) if len(path) > 1 else
+                      self.reread(u, anchor) if self.recomputed(u) else self.read(u)
+                      for u in low.outside[g]]
+            self.barred[g] = dict(zip(low.outside[g], _hold(values, anchor)))
+        return self.barred[g][t]
+
+    def anchor(self, inputs: Sequence[int]) -> Any:
+        """What a recomputation for these inputs waits for: one of them from the backward
+        pass, else the backward pass's latest value."""
+        low = self.lowering
+        return next((self.env[t] for t in inputs if low.made_by.get(t) in low.backward),
+                    self.latest)
+
+    def outputs(self, out_specs: Sequence[Spec]) -> list[Any]:
+        low = self.lowering
+        for i, step in enumerate(self.graph.program):
+            reader = self.read
             if step.remat:
-                reader = functools.partial(inside, step.remat)
-            elif i in backward and any(made_by.get(t) in recompute for t in step.inputs):
-                anchor = next((env[t] for t in step.inputs if made_by.get(t) in backward),
-                              latest)
-                reader = (lambda t, a=anchor: reread(t, a) if made_by.get(t) in recompute
-                          else read(t))
-            results = execute(i, reader)
-            env.update(zip(step.outputs, results))
-            if i in backward and results:
-                latest = results[0]
-        return [constrain(read(t), s) for t, s in zip(graph.outputs, out_specs)]
-
-    return run
+                reader = functools.partial(self.inside, step.remat)
+            elif i in low.backward and any(self.recomputed(t) for t in step.inputs):
+                anchor = self.anchor(step.inputs)
+                reader = (lambda t, a=anchor: self.reread(t, a) if self.recomputed(t)
+                          else self.read(t))
+            results = low.execute(i, reader)
+            self.env.update(zip(step.outputs, results))
+            if i in low.backward and results:
+                self.latest = results[0]
+        return [low.constrain(self.read(t), s) for t, s in zip(self.graph.outputs, out_specs)]
 
 
 def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
@@ -176,7 +207,7 @@ def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
     )
 
 
-def _one_result(step: Any) -> bool:
+def _one_result(step: Step) -> bool:
     return (step.eqn is not None and not step.eqn.primitive.multiple_results
             and len(step.outputs) == 1)
 
@@ -185,10 +216,7 @@ def _one_result(step: Any) -> bool:
 # device is its share of the sum (no replicated operand added in, as scatter-add has). A
 # convolution's rule splits batch and features only (spatial dimensions stay whole), so its
 # shards need no halo.
-_LINEAR = ("dot_general", "reduce_sum", "conv_general_dilated")
-
-
-def _explicit(primitive: str, st: Any) -> tuple | None:
+def explicit_collectives(primitive: str, st: Strategy) -> tuple | None:
     """(strategy, axes to all-reduce, axes to reduce-scatter, the result dimension they
     scatter) where the plan's collective for the op's partial sums must be written out, None
     where sharding constraints get it from XLA as planned.
@@ -202,7 +230,7 @@ def _explicit(primitive: str, st: Any) -> tuple | None:
       has no such pass).
     psum_scatter splits each device's block, so the scattered axes must come after any axes
     already on that dimension; otherwise (rare) XLA is left to it."""
-    if primitive not in _LINEAR or len(st.out_specs) != 1 or not st.partial_axes:
+    if primitive not in CONTRACTING or len(st.out_specs) != 1 or not st.partial_axes:
         return None
     spec = st.out_specs[0]
     scatter, reduce = partial_split(st, spec)
@@ -218,7 +246,7 @@ def _explicit(primitive: str, st: Any) -> tuple | None:
     return st, tuple(reduce), tuple(axes[len(axes) - len(scatter):]), dims[0]
 
 
-def _bind_explicit(mesh: Mesh, primitive: Any, params: dict, values: list, st: Any,
+def bind_explicit(mesh: Mesh, primitive: Any, params: dict, values: list, st: Strategy,
                    reduce: tuple, scatter: tuple, dim: int) -> Any:
     """`primitive` on each device's shards, its partial sums all-reduced over `reduce` (one
     collective) and reduce-scattered over `scatter` along `dim`."""
@@ -238,7 +266,7 @@ def _bind_explicit(mesh: Mesh, primitive: Any, params: dict, values: list, st: A
                          check_vma=False)(*values)
 
 
-def _local_params(mesh: Mesh, name: str, params: dict, st: Any) -> dict:
+def _local_params(mesh: Mesh, name: str, params: dict, st: Strategy) -> dict:
     """`params` for one device's shards: a grouped convolution whose group factor is split
     holds fewer groups on each device (its rule splits the grouped lhs dim in whole groups)."""
     if name != "conv_general_dilated":
@@ -269,13 +297,13 @@ def _remat_inputs(graph: OpGraph, made_by: dict[int, int]) -> dict[int, tuple[in
 
 def _hold(values: list[Any], anchor: Any) -> list[Any]:
     """`values` read through one optimization barrier with `anchor`, each tied to it (see
-    `_after`): what reads them runs after `anchor` is computed, and XLA cannot merge it with
+    `after_anchor`): what reads them runs after `anchor` is computed, and XLA cannot merge it with
     what read the same values before."""
     *values, _ = jax.lax.optimization_barrier((*values, anchor))
-    return [_after(v, anchor) for v in values]
+    return [after_anchor(v, anchor) for v in values]
 
 
-def _after(value: Any, anchor: Any) -> Any:
+def after_anchor(value: Any, anchor: Any) -> Any:
     """`value`, made to depend on `anchor` through arithmetic XLA keeps: XLA's CPU compiler
     drops optimization barriers before it schedules, and without this it would recompute in
     the forward pass. min(|a|, 0), with NaN taken for 0, is zero for every float, infinities

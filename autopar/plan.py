@@ -150,8 +150,8 @@ class Plan:
 
     @functools.cached_property
     def decisions(self) -> tuple[Decision | Repeat, ...]:
-        """The deciding operators' strategies, repeated layers as Repeats (saved.py)."""
-        from autopar.planning.saved import compact_decisions
+        """The deciding operators' strategies, repeated layers as Repeats (plan_json)."""
+        from autopar.plan_json import compact_decisions
         return self.decided or compact_decisions(self.ops)
 
     # -- reading ---------------------------------------------------------------------------------

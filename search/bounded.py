@@ -67,9 +67,36 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
         if u == v:
             self_cost[u] = self_cost[u] + np.diag(m)
 
+    bound, records, splits = _mini_buckets(graph, size, self_cost, pair, max_factor_size)
+    choice = np.zeros(n, dtype=np.int64)
+    for x, bucket in reversed(records):
+        costs = np.zeros(size[x])
+        for fscope, table in bucket:
+            index = tuple(slice(None) if w == x else choice[w] for w in fscope)
+            costs = costs + table[index]
+        choice[x] = int(np.argmin(costs))
+    if not bound < math.inf:
+        raise InfeasibleError(f"every assignment of the {n} nodes has infinite cost")
+    swept = _descend(choice, self_cost, pair, sweeps)
+    cost = graph.total_cost(choice)
+    stats: dict[str, Any] = {
+        "nodes": n, "edges": graph.num_edges(), "exact": splits == 0, "lower_bound": bound,
+        "gap": 0.0 if cost <= bound or cost == 0 else (cost - bound) / cost,
+        "mini_bucket_splits": splits, "descent_sweeps": swept,
+        "seconds": time.perf_counter() - start,
+    }
+    return Solution(choice, cost, stats)
+
+
+def _mini_buckets(graph: CostGraph, size: dict[int, int], self_cost: list[np.ndarray],
+                  pair: dict[tuple[int, int], np.ndarray], max_factor_size: float
+                  ) -> tuple[float, list[tuple[int, list[Factor]]], int]:
+    """Mini-bucket elimination: a lower bound, the buckets in elimination order (to choose
+    strategies by backtracking) and how many times a bucket was split to fit the limit (none:
+    the bound is the optimum)."""
     ids = itertools.count()
     factors: dict[int, Factor] = {}
-    of_var: dict[int, set[int]] = {u: set() for u in range(n)}
+    of_var: dict[int, set[int]] = {u: set() for u in size}
 
     def add(scope: tuple[int, ...], table: np.ndarray) -> None:
         fid = next(ids)
@@ -77,7 +104,7 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
         for w in scope:
             of_var[w].add(fid)
 
-    for u in range(n):
+    for u in size:
         add((u,), self_cost[u])
     for (u, v), m in pair.items():
         add((u, v), m)
@@ -106,18 +133,14 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
                 bound += float(best)
             scopes.append(set(scope))
         order.eliminated(x, scopes)
+    return bound, records, splits
 
-    choice = np.zeros(n, dtype=np.int64)
-    for x, bucket in reversed(records):
-        costs = np.zeros(size[x])
-        for fscope, table in bucket:
-            index = tuple(slice(None) if w == x else choice[w] for w in fscope)
-            costs = costs + table[index]
-        choice[x] = int(np.argmin(costs))
-    if not bound < math.inf:
-        raise InfeasibleError(f"every assignment of the {n} nodes has infinite cost")
 
-    # Coordinate descent on the true costs: each node takes its best strategy given the rest.
+def _descend(choice: np.ndarray, self_cost: list[np.ndarray],
+             pair: dict[tuple[int, int], np.ndarray], sweeps: int) -> int:
+    """Coordinate descent on the true costs, in place: each node takes its best strategy given
+    the rest, until none changes (or `sweeps` sweeps). Returns the sweeps made."""
+    n = len(self_cost)
     incident: dict[int, list[tuple[int, np.ndarray]]] = {u: [] for u in range(n)}
     for (u, v), m in pair.items():
         incident[u].append((v, m))
@@ -134,11 +157,4 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
                 changed = True
         if not changed:
             break
-    cost = graph.total_cost(choice)
-    stats: dict[str, Any] = {
-        "nodes": n, "edges": graph.num_edges(), "exact": splits == 0, "lower_bound": bound,
-        "gap": 0.0 if cost <= bound or cost == 0 else (cost - bound) / cost,
-        "mini_bucket_splits": splits, "descent_sweeps": sweep + 1,
-        "seconds": time.perf_counter() - start,
-    }
-    return Solution(choice, cost, stats)
+    return sweep + 1

@@ -248,41 +248,8 @@ def _eliminate(
     Returns the optimal value, the elimination records ``(x, scope, argmin)``
     for backtracking, and statistics.
     """
-    graph = red.graph
-    live = [u for u in range(graph.num_nodes()) if u not in red.fixed]
-    size = {u: int(red.unary[u].shape[0]) for u in live}
-    nbrs = {u: set(red.adj[u]) for u in live}
-    factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
-    var_factors: dict[int, set[int]] = {u: set() for u in live}
-
-    ids = itertools.count()
-
-    def add_factor(scope: tuple[int, ...], table: np.ndarray) -> None:
-        fid = next(ids)
-        factors[fid] = (scope, table)
-        for w in scope:
-            var_factors[w].add(fid)
-
-    for u in live:
-        add_factor((u,), red.unary[u])
-    for (u, v), m in red.pair.items():
-        add_factor((u, v), m)
-
-    # Products beyond this are far over any usable limit; capping them keeps
-    # keys of high-degree hubs cheap to recompute (no huge integers).
-    cap = 1 << 62
-
-    def key(x: int) -> tuple[int, int]:
-        # Size of the table left over the neighbours, then fewest neighbours.
-        prod = 1
-        for w in nbrs[x]:
-            prod *= size[w]
-            if prod > cap:
-                prod = cap
-                break
-        return (prod, len(nbrs[x]))
-
-    current = {x: key(x) for x in live}
+    factors = _Factors(red)
+    current = {x: factors.key(x) for x in factors.nbrs}
     heap = [(k[0], k[1], x) for x, k in current.items()]
     heapq.heapify(heap)
     value = red.constant
@@ -294,27 +261,83 @@ def _eliminate(
         if x not in current or current[x] != (s, d):
             continue  # stale entry: x was eliminated or its key changed
         del current[x]
-        scope = tuple(sorted(nbrs[x]))
-        joint = size[x] * s
+        scope = tuple(sorted(factors.nbrs[x]))
+        joint = factors.size[x] * s
         if joint > max_factor_size:
-            joint = math.prod(size[w] for w in (x, *scope))  # exact, key may be capped
-            dims = " x ".join(str(size[w]) for w in (x, *scope))
-            raise SearchTooLargeError(
-                f"eliminating {graph.name(x)} needs a table of {joint} entries "
-                f"({dims}, {len(scope)} neighbours), above max_factor_size="
-                f"{max_factor_size:g}; the graph is too densely connected for "
-                "exact dynamic programming, use algorithm 'recursive_programming' "
-                "or raise max_factor_size"
-            )
+            raise factors.too_large(x, scope, max_factor_size)
         largest = max(largest, joint)
         widest = max(widest, len(scope))
+        best, arg = factors.eliminate(x, scope)
+        records.append((x, scope, arg))
+        if not scope:
+            value += float(best)
+        for w in scope:
+            current[w] = factors.key(w)
+            heapq.heappush(heap, (*current[w], w))
+    stats = {"eliminated": len(records), "max_factor_size": largest, "max_neighbours": widest}
+    return value, records, stats
+
+
+class _Factors:
+    """The cost tables over the unfixed nodes of a reduced graph, and each node's neighbours
+    in them, as variable elimination changes them."""
+
+    # Products beyond this are far over any usable limit; capping them keeps
+    # keys of high-degree hubs cheap to recompute (no huge integers).
+    CAP = 1 << 62
+
+    def __init__(self, red: _Reduced) -> None:
+        self.graph = red.graph
+        live = [u for u in range(red.graph.num_nodes()) if u not in red.fixed]
+        self.size = {u: int(red.unary[u].shape[0]) for u in live}
+        self.nbrs = {u: set(red.adj[u]) for u in live}
+        self.tables: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+        self.of_var: dict[int, set[int]] = {u: set() for u in live}
+        self.ids = itertools.count()
+        for u in live:
+            self.add((u,), red.unary[u])
+        for (u, v), m in red.pair.items():
+            self.add((u, v), m)
+
+    def add(self, scope: tuple[int, ...], table: np.ndarray) -> None:
+        fid = next(self.ids)
+        self.tables[fid] = (scope, table)
+        for w in scope:
+            self.of_var[w].add(fid)
+
+    def key(self, x: int) -> tuple[int, int]:
+        """Size of the table left over the neighbours, then fewest neighbours."""
+        prod = 1
+        for w in self.nbrs[x]:
+            prod *= self.size[w]
+            if prod > self.CAP:
+                prod = self.CAP
+                break
+        return (prod, len(self.nbrs[x]))
+
+    def too_large(self, x: int, scope: tuple[int, ...], max_factor_size: float
+                  ) -> SearchTooLargeError:
+        joint = math.prod(self.size[w] for w in (x, *scope))  # exact, key may be capped
+        dims = " x ".join(str(self.size[w]) for w in (x, *scope))
+        return SearchTooLargeError(
+            f"eliminating {self.graph.name(x)} needs a table of {joint} entries "
+            f"({dims}, {len(scope)} neighbours), above max_factor_size="
+            f"{max_factor_size:g}; the graph is too densely connected for "
+            "exact dynamic programming, use algorithm 'recursive_programming' "
+            "or raise max_factor_size"
+        )
+
+    def eliminate(self, x: int, scope: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Minimise the tables over ``x`` out: the least cost over ``scope`` (a new table,
+        or a scalar where the scope is empty) and the minimising strategy of ``x``."""
+        size = self.size
         # x goes last: argmin over a contiguous axis is several times faster.
         order_vars = (*scope, x)
         axes = {w: i for i, w in enumerate(order_vars)}
         shape = tuple(size[w] for w in order_vars)
         terms = []
-        for fid in var_factors.pop(x):
-            fscope, table = factors.pop(fid)
+        for fid in self.of_var.pop(x):
+            fscope, table = self.tables.pop(fid)
             perm = sorted(range(len(fscope)), key=lambda i: axes[fscope[i]])
             view = [1] * len(shape)
             for i in perm:
@@ -322,23 +345,16 @@ def _eliminate(
             terms.append(table.transpose(perm).reshape(view))
             for w in fscope:
                 if w != x:
-                    var_factors[w].discard(fid)
+                    self.of_var[w].discard(fid)
         dtype = np.uint8 if size[x] <= 256 else np.int32
         best, arg = _min_last(terms, shape, dtype)
-        records.append((x, scope, arg))
         if scope:
-            add_factor(scope, best)
-        else:
-            value += float(best)
+            self.add(scope, best)
         for w in scope:
-            nbrs[w].discard(x)
-            nbrs[w].update(v for v in scope if v != w)
-        del nbrs[x]
-        for w in scope:
-            current[w] = key(w)
-            heapq.heappush(heap, (*current[w], w))
-    stats = {"eliminated": len(records), "max_factor_size": largest, "max_neighbours": widest}
-    return value, records, stats
+            self.nbrs[w].discard(x)
+            self.nbrs[w].update(v for v in scope if v != w)
+        del self.nbrs[x]
+        return best, arg
 
 
 def solve_dynamic_programming(

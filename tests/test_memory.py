@@ -11,6 +11,7 @@ import models
 import numpy as np
 import pytest
 from helpers import check_against_single_device, copy_tree, global_relative_error
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
 from autopar.cost.hardware import get_profile
@@ -18,13 +19,11 @@ from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.liveness import updated_in_place
 from autopar.cost.memory import kept_bytes, parse_bytes
 from autopar.mesh import mesh_shape
-from autopar.planning import budget
 from autopar.planning.assemble import assemble
-from autopar.planning.pipeline import plan_step
+from autopar.planning.pipeline import Planning, plan_step
 from autopar.planning.problem import make_units
 from autopar.planning.solve import solve
 from autopar.trace.tracer import trace
-from benchmarks.memory import SLOW_LINKS  # unconstrained, it replicates everything
 
 
 def state_leaves(state) -> frozenset[int]:
@@ -44,8 +43,18 @@ def estimate_over_compiled(step, state, batch, mesh, search, annotations) -> flo
     return plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
 
 
+# Links slow against compute: unconstrained, the search keeps the state replicated, so a budget
+# shows what memory alone makes it shard.
+SLOW_LINKS = autopar.Hardware("slow-links", flops=1e12, memory_bandwidth=1e12,
+                              link_bandwidth=1e9, link_latency=1e-4, memory_bytes=2**30)
+
+
 def mlp():
     return models.mlp_setup(batch=64, features=128, hidden=512, out=128)
+
+
+def gpt_4_layers():
+    return models.gpt_setup(batch=32, seq=64, vocab=64, d_model=64, heads=4, layers=4)
 
 
 def test_parse_bytes():
@@ -77,7 +86,6 @@ def test_estimate_matches_compiled_memory_of_transformers(search):
     """The GPT's estimate, from the propagation of its batch's sharding (1.24 of compiled
     before the scatter of the loss's gradient into its sum was seen) and from the search on a
     2x2x2 mesh (0.84 before the copies of donated weights)."""
-    from jax.sharding import PartitionSpec as P
     step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
                                           layers=2)
     if search == "sharding_propagation":
@@ -96,7 +104,6 @@ def test_estimate_follows_slices_and_layouts_of_mixture_of_experts(search):
     backward pass's sum of products, a copy beside the gathered tensor (with the slices
     alone, the search's plan read 0.86)."""
     import architectures
-    from jax.sharding import PartitionSpec as P
     step, state, batch = architectures.moe_setup(batch=8, seq=16, experts=8, d_model=64)
     annotations = {r"^batch/": P("data")} if search == "sharding_propagation" else None
     ratio = estimate_over_compiled(step, state, batch, autopar.make_mesh({"data": 8}), search,
@@ -124,12 +131,13 @@ def test_estimate_of_a_convolution_net_split_by_channels():
     Without that the estimate read 0.81 of the compiled memory."""
     import architectures
 
-    from benchmarks.baselines import baseline_annotations
     step, state, batch = architectures.resnet_setup(batch=16, size=16, channels=(32, 64))
-    graph = trace(step, (state, batch))[0]
-    inputs = [(graph.tensors[t].path, graph.tensors[t].shape) for t in graph.inputs]
     axes = {"data": 8}
-    annotations = baseline_annotations("megatron", "cnn", inputs, axes)
+    # every input pinned: a block's first and middle convolutions split by output channels,
+    # its last by input channels (and their Adam moments alike), the rest replicated
+    annotations = [(r"conv_(in|mid)/kernel$", P(None, None, None, "data")),
+                   (r"conv_(in|mid)/bias$", P("data")),
+                   (r"conv_out/kernel$", P(None, None, "data", None)), (r".", P())]
     ratio = estimate_over_compiled(step, state, batch, autopar.make_mesh(axes),
                                    "dynamic_programming", annotations)
     assert 0.85 <= ratio <= 1.15, ratio
@@ -157,11 +165,11 @@ def test_dot_operands_are_transposed_where_xla_transposes_them(lhs, rhs, contrac
 
     from jax import lax
 
-    from autopar.cost.xla.cpu import _dot_transposes
+    from autopar.cost.xla.cpu import dot_transposes
     dot = jax.jit(lambda x, w: lax.dot_general(x, w, (contracting, ((), ()))))
     text = dot.lower(np.zeros(lhs, np.float32), np.zeros(rhs, np.float32)).compile().as_text()
     copies = len(re.findall(r"fusion\(.*kind=kLoop", text[text.index("ENTRY"):]))
-    assert _dot_transposes((contracting, ((), ())), [lhs, rhs]) == transposed
+    assert dot_transposes((contracting, ((), ())), [lhs, rhs]) == transposed
     assert copies == len(transposed), text
 
 
@@ -208,7 +216,6 @@ def test_resharding_buffers_follow_the_collectives(reader):
     dimension other than the major one is gathered or an all-to-all's pieces arrive, unless
     a loop fusion reads it; an all-to-all's pieces sent."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from autopar.cost.xla.cpu import reshard_buffers
     from autopar.rules.factors import from_partition_spec
@@ -252,10 +259,9 @@ def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch
     model now (under it before: the first plan compiled over the limit), so XLA's figure is
     reported a fifth higher than it is."""
     from autopar import api
-    from benchmarks.memory import CASES
     compiled_bytes = api.compiled_memory_bytes
     monkeypatch.setattr(api, "compiled_memory_bytes", lambda c: int(1.2 * compiled_bytes(c)))
-    step, state, batch = CASES["gpt"]()
+    step, state, batch = gpt_4_layers()
     mesh = autopar.make_mesh({"data": 8})
     free = autopar.plan(step, state, batch, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,
                         memory_limit="1TiB")
@@ -291,7 +297,7 @@ def test_state_four_times_the_budget_fits_and_trains():
     assert opt and all(any(t.spec) for t in opt)
 
 
-def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone(monkeypatch):
+def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone():
     """Under a budget, dynamic_programming proves its plan the fastest of those keeping at most
     the kept-bytes cap it reports; prices alone find no faster fitting plan."""
     step, state, batch = mlp()
@@ -305,9 +311,10 @@ def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone(monkeypatch):
     assert stats["parts"] > 1, "the budget should need branching beyond the prices' hull"
     # the search's additive model is the plan's kept bytes, and the cap holds
     assert stats["kept_bytes"] == kept_bytes(graph, decisions, shape) <= stats["kept_budget_bytes"]
-    monkeypatch.setattr(budget, "_proven", lambda *args: None)
-    priced = plan_step(step, (state, batch), shape, SLOW_LINKS, "dynamic_programming",
-                       memory_limit=limit, donated=state_leaves(state))[2]
+    planning = Planning.traced(step, (state, batch), SLOW_LINKS, "dynamic_programming",
+                               donated=state_leaves(state))
+    planning.prove = False
+    priced = planning.plan(shape, limit)[1]
     assert not priced.search_stats["exact"]
     assert plan.cost["total_s"] <= priced.cost["total_s"] * (1 + 1e-12)
 
@@ -413,10 +420,10 @@ def test_problems_kept_across_prices_search_as_fresh_ones(search):
 def test_recompute_ordering_adds_an_exact_zero_whatever_the_anchor(anchor):
     """The recomputation waits for a backward value through arithmetic that is zero for every
     float: an infinite (or NaN) anchor leaves the value unchanged, compiled as XLA runs it."""
-    from autopar.lower import _after
+    from autopar.lower import after_anchor
 
     value = jnp.arange(4.0)
-    got = jax.jit(_after)(value, jnp.array([anchor, 1.0], jnp.float32))
+    got = jax.jit(after_anchor)(value, jnp.array([anchor, 1.0], jnp.float32))
     np.testing.assert_array_equal(np.asarray(got), np.arange(4.0))
 
 
@@ -427,8 +434,7 @@ def test_conservative_buffer_model_is_above_xla_cpu(setup):
     needs, and no less than the calibrated CPU model."""
     from autopar.cost.memory import plan_memory
     from autopar.cost.xla import CONSERVATIVE, CPU
-    from benchmarks.memory import CASES
-    step, state, batch = mlp() if setup == "mlp" else CASES["gpt"]()
+    step, state, batch = mlp() if setup == "mlp" else gpt_4_layers()
     axes = {"data": 2, "model": 4}
     graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
                                        get_profile(None), "dynamic_programming",

@@ -129,3 +129,22 @@ def test_fused_values_are_the_elementwise_chains_xla_never_writes():
     assert by_op["div"].outputs[0] not in fused  # a dot reads it
     assert by_op["dot_general"].outputs[0] not in fused  # the result
     assert not set(graph.inputs) & fused
+
+
+def test_primitive_kinds_are_one_catalogue():
+    """Every set of primitives is derived from the catalogue's disjoint kinds, and every kind
+    that has a sharding rule gets it from the table."""
+    from autopar.rules import kinds
+    from autopar.rules.table import RULES
+    from autopar.trace.shard import SHARD_PRIMITIVE
+    parts = [kinds.CHEAP_ELEMENTWISE, kinds.OTHER_ELEMENTWISE, kinds.MARKS,
+             kinds.RANDOM_ELEMENTWISE, kinds.LAYOUT, kinds.COMPOSITE_LAYOUT]
+    assert sum(map(len, parts)) == len(frozenset().union(*parts))  # disjoint
+    assert kinds.CHEAP <= kinds.FUSED <= kinds.FUSING_READERS
+    assert kinds.SHARD_MARK == SHARD_PRIMITIVE
+    unruled = (kinds.ELEMENTWISE | kinds.RANDOM_ELEMENTWISE | kinds.REDUCTIONS
+               | kinds.CUMULATIVE | kinds.CONTRACTING) - RULES.keys()
+    assert not unruled, sorted(unruled)
+    assert kinds.decides("dot_general", [(4, 4), (4, 4)], [(4, 4)])
+    assert not kinds.decides("add", [(4, 4), (4, 4)], [(4, 4)])
+    assert kinds.decides("broadcast_in_dim", [(4,)], [(8, 4)])

@@ -175,11 +175,11 @@ def test_grouped_conv_explicit_reduce_scatter_holds_local_groups():
     summed, g = rule.operands[0][0], rule.operands[0][3]
     st = scattered(strategy(rule, shape, {g: ("model",), summed: ("data",)}), rule, shape)
     assert st is not None and st.out_specs[0][3] == ("model", "data")
-    how = lower._explicit("conv_general_dilated", st)
+    how = lower.explicit_collectives("conv_general_dilated", st)
     assert how is not None and how[2] == ("data",), "written out as a reduce-scatter"
     params = eqn.primitive.get_bind_params(eqn.params)
     want = eqn.primitive.bind(x, cotangent, **params)
-    got = jax.jit(lambda a, b: lower._bind_explicit(mesh, eqn.primitive, params, [a, b], *how)
+    got = jax.jit(lambda a, b: lower.bind_explicit(mesh, eqn.primitive, params, [a, b], *how)
                   )(x, cotangent)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

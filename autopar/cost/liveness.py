@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from autopar.cost.model import shard_bytes
-from autopar.cost.xla import CPU, BufferModel
+from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.trace.analysis import backward_steps, edges, per_graph, recomputed_layer_of
-from autopar.trace.ir import OpGraph
+from autopar.trace.ir import OpGraph, Step
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
@@ -58,11 +58,10 @@ class Buffer:
     step: int = -1
 
 
-def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
+def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape, model: BufferModel,
              reshards: dict[tuple[int, int], Spec] | None = None,
              recompute: Iterable[int] = (),
-             all_reduces: dict[int, tuple[str, ...]] | None = None,
-             model: BufferModel = CPU) -> MemoryEstimate:
+             all_reduces: dict[int, tuple[str, ...]] | None = None) -> MemoryEstimate:
     """The per-device memory of running `graph` with tensors sharded as `specs` (as produced),
     operands resharded as `reshards` says (see operand_reshards), the forward steps in
     `recompute` recomputed for the backward pass, and the steps in `all_reduces` all-reducing
@@ -388,7 +387,7 @@ def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Ite
     return end
 
 
-def _name(step: Any, i: int) -> str:
+def _name(step: Step, i: int) -> str:
     eqn = step.eqn
     what = eqn.primitive.name if eqn is not None else "copy"
     source = getattr(getattr(eqn, "source_info", None), "name_stack", None)

@@ -34,7 +34,7 @@ from typing import Any
 
 from autopar.cost.liveness import MemoryEstimate, estimate
 from autopar.cost.model import group_size, partial_split, shard_bytes
-from autopar.cost.xla import CPU, BufferModel
+from autopar.cost.xla.buffers import BufferModel
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions
@@ -84,12 +84,12 @@ def kept_bytes(graph: OpGraph, decisions: Decisions, mesh: MeshShape) -> int:
 
 
 def plan_memory(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
-                model: BufferModel = CPU) -> MemoryEstimate:
+                model: BufferModel) -> MemoryEstimate:
     """The memory estimate of `decisions` (with their recomputed steps) as `model`'s compiler
     buffers them."""
-    return estimate(graph, decisions.tensor_specs(graph), mesh,
+    return estimate(graph, decisions.tensor_specs(graph), mesh, model,
                     operand_reshards(graph, decisions), decisions.recompute,
-                    all_reduce_steps(graph, decisions, mesh), model)
+                    all_reduce_steps(graph, decisions, mesh))
 
 
 def all_reduce_steps(graph: OpGraph, decisions: Decisions, mesh: MeshShape
@@ -107,7 +107,7 @@ def all_reduce_steps(graph: OpGraph, decisions: Decisions, mesh: MeshShape
     return out
 
 
-def memory_json(m: MemoryEstimate, limit: int | None = None, model: BufferModel = CPU
+def memory_json(m: MemoryEstimate, model: BufferModel, limit: int | None = None
                 ) -> dict[str, Any]:
     """The estimate as the plan records it, with the buffer model that made it."""
     out: dict[str, Any] = {"peak_bytes": m.peak_bytes, "at_peak": dict(m.at_peak),

@@ -15,7 +15,8 @@ from typing import NamedTuple, Sequence
 from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
-from autopar.rules.table import FUSED, FUSING_READERS
+from autopar.rules.kinds import FUSED, FUSING_READERS, SUMMING
+from autopar.trace.analysis import per_graph
 from autopar.trace.ir import Op, OpGraph, Tensor
 
 
@@ -99,7 +100,7 @@ def fused_values(graph: OpGraph) -> frozenset[int]:
                      and all(r in FUSING_READERS for r in readers[t]))
 
 
-@functools.lru_cache(maxsize=4)  # per graph, asked by every build of its problem
+@per_graph  # asked by every build of its problem
 def weight_gradients(graph: OpGraph) -> frozenset[int]:
     """Results of backward operators of a state leaf's shape (maybe transposed, maybe with
     unit dimensions a reshape drops, as a norm's scale gets): the weight gradients, products
@@ -116,7 +117,6 @@ def weight_gradients(graph: OpGraph) -> frozenset[int]:
 
 # The operators whose partial sums make a weight gradient's all-reduce (a transpose or an add
 # of two contributions of a parameter's shape makes none).
-SUMMING = {"dot_general", "conv_general_dilated", "reduce_sum", "scatter-add", "scatter_add"}
 
 
 class ValueFacts(NamedTuple):
@@ -126,7 +126,7 @@ class ValueFacts(NamedTuple):
     combined: frozenset[int] = frozenset()  # all-reduced in one collective: see value_facts
 
 
-@functools.lru_cache(maxsize=4)  # per graph, asked by every search of it
+@per_graph  # asked by every search of it
 def value_facts(graph: OpGraph) -> ValueFacts:
     """The graph's fused values, and the sums XLA's all-reduce combiner merges into one
     collective: the weight gradients outside loops, and the sums only the step's results read

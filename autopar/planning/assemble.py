@@ -1,13 +1,15 @@
 """The Plan of a search's decisions: specs, per-operator costs, redistributions, memory."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from autopar.cost.hardware import Hardware
+from autopar.cost.liveness import MemoryEstimate
 from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
                                 reshard_time, shard_bytes, value_facts)
-from autopar.cost.xla import CPU, BufferModel
+from autopar.cost.xla import BufferModel, buffer_model
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import Spec, replicated
@@ -15,29 +17,54 @@ from autopar.trace.analysis import recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 
 
-def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, search: str,
-             stats: dict, in_tree: Any = None, out_tree: Any = None,
-             pinned: dict[int, Spec] | None = None, memory_limit: int | None = None,
-             buffers: BufferModel = CPU) -> Plan:
-    """The Plan of `decisions`: specs, per-op costs, redistributions and totals per device.
+@dataclass(frozen=True)
+class Tally:
+    """What decisions cost per device, as the search counts it: time by part, with the
+    per-operator records, the redistributions and the collective bytes by kind."""
 
-    `pinned` (the annotated tensors) marks the redistributions at annotations; `memory_limit`
-    is recorded with the memory estimate, which `buffers` (the compiler's buffer model) makes.
-    """
+    ops: tuple[OpDecision, ...]
+    moves: tuple[Redistribution, ...]
+    out_specs: list[Spec]
+    compute_s: float
+    communication_s: float
+    recompute_s: float
+    collective_bytes: dict[str, float]
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A search's decisions with their cost and memory estimate, before they are written up
+    as a Plan: the budget weighs many, and only the one kept becomes a Plan."""
+
+    decisions: Decisions
+    tally: Tally
+    memory: MemoryEstimate
+    stats: dict[str, Any]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.memory.peak_bytes
+
+
+def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
+          pinned: dict[int, Spec] | None = None) -> Tally:
+    """The cost of `decisions` per device; `pinned` (the annotated tensors) marks the
+    redistributions at annotations."""
     tensors = graph.tensors
     pinned = pinned or {}
     specs = decisions.tensor_specs(graph)
-    decisions_out = []
+    records: list[OpDecision] = []
     moves: list[Redistribution] = []
-    compute = comm = 0.0
+    compute = comm = recompute_s = 0.0
     collective_bytes: dict[str, float] = {}
 
     def count(kinds: dict[str, float], times: int = 1) -> None:
         for kind, nbytes in kinds.items():
             collective_bytes[kind] = collective_bytes.get(kind, 0.0) + times * nbytes
-
-    def name(t: int) -> str:
-        return tensors[t].path or f"tensor {t}"
 
     # The time of a resharding is charged to every operator that needs it, as the search does
     # (an edge joins one producer and one user), so that the plan's cost is the search's
@@ -45,7 +72,6 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     # the users are equal and XLA merges them, and the bytes are compared with the compiled HLO.
     moved: set[tuple[int, Spec]] = set()
     recomputed = recomputed_ops(graph, decisions.recompute)
-    recompute_s = 0.0
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
     facts = value_facts(graph)
@@ -68,38 +94,76 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
                 m += move
                 at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
                 moves.append(Redistribution(
-                    f"operand {i} of {op.primitive} #{op.id} ({op.source})", name(t),
+                    f"operand {i} of {op.primitive} #{op.id} ({op.source})", _name(graph, t),
                     tensors[t].shape, specs[t], need, move, at_annotation))
         compute, comm = compute + c, comm + m
-        decisions_out.append(OpDecision(
+        records.append(OpDecision(
             op.id, op.primitive, op.source, tuple(tensors[t].shape for t in op.inputs),
             tuple(tensors[t].shape for t in op.outputs), st.in_specs, st.out_specs,
             st.partial_axes, c, m, op.scope, op.backward))
     out_specs = output_specs(graph, decisions, specs)
+    for t, move in _returned_state(graph, specs, out_specs, mesh, hw, pinned):
+        count(reshard_collectives(tensors[t], move.from_spec, move.to_spec, mesh))
+        comm += move.cost_s
+        moves.append(move)
+    return Tally(tuple(records), tuple(moves), out_specs, compute, comm, recompute_s,
+                 collective_bytes)
+
+
+def _returned_state(graph: OpGraph, specs: dict[int, Spec], out_specs: list[Spec],
+                    mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec]
+                    ) -> list[tuple[int, Redistribution]]:
+    """The state returned in another sharding than its producer's: it goes back in the
+    sharding it arrived in."""
+    tensors, moves = graph.tensors, []
     for k, (t, final) in enumerate(zip(graph.outputs, out_specs)):
         spec = specs.get(t, replicated(len(tensors[t].shape)))
-        if spec != final:  # the state, returned in the sharding it arrived in
+        if spec != final:
             t_in = graph.inputs[graph.state_pairs[k]]
             move = reshard_time(tensors[t], spec, final, mesh, hw)
-            count(reshard_collectives(tensors[t], spec, final, mesh))
-            comm += move
-            moves.append(Redistribution(f"returning the state {name(t_in)}", name(t),
-                                        tensors[t].shape, spec, final, move, t_in in pinned))
+            moves.append((t, Redistribution(
+                f"returning the state {_name(graph, t_in)}", _name(graph, t), tensors[t].shape,
+                spec, final, move, t_in in pinned)))
+    return moves
+
+
+def _name(graph: OpGraph, t: int) -> str:
+    return graph.tensors[t].path or f"tensor {t}"
+
+
+def written_up(graph: OpGraph, chosen: Candidate, mesh: MeshShape, hw: Hardware, search: str,
+               in_tree: Any, out_tree: Any, memory_limit: int | None, buffers: BufferModel
+               ) -> Plan:
+    """The Plan of `chosen`: specs, per-op costs, redistributions and totals per device;
+    `memory_limit` is recorded with the memory estimate, which `buffers` made."""
+    tensors, decisions, cost = graph.tensors, chosen.decisions, chosen.tally
 
     def tensor_plans(ids: Sequence[int], spec_list: Sequence[Spec]) -> tuple[TensorPlan, ...]:
-        return tuple(TensorPlan(tensors[t].path or f"tensor {t}", tensors[t].shape,
-                                tensors[t].dtype, s, int(shard_bytes(tensors[t], s, mesh)))
+        return tuple(TensorPlan(_name(graph, t), tensors[t].shape, tensors[t].dtype, s,
+                                int(shard_bytes(tensors[t], s, mesh)))
                      for t, s in zip(ids, spec_list))
 
-    memory = plan_memory(graph, decisions, mesh, buffers)
-    cost = {"compute_s": compute, "communication_s": comm, "total_s": compute + comm,
-            "recompute_s": recompute_s, "peak_memory_bytes": memory.peak_bytes,
-            **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(collective_bytes.items())}}
+    totals = {"compute_s": cost.compute_s, "communication_s": cost.communication_s,
+              "total_s": cost.total_s, "recompute_s": cost.recompute_s,
+              "peak_memory_bytes": chosen.peak_bytes,
+              **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(cost.collective_bytes.items())}}
     return Plan(tuple(zip(mesh.names, mesh.sizes)), search, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
-                tensor_plans(graph.outputs, out_specs), tuple(decisions_out), cost, stats,
-                tuple(moves), in_tree, out_tree, memory_json(memory, memory_limit, buffers),
+                tensor_plans(graph.outputs, cost.out_specs), cost.ops, totals, chosen.stats,
+                cost.moves, in_tree, out_tree, memory_json(chosen.memory, buffers, memory_limit),
                 recomputed_layers(graph, decisions.recompute))
+
+
+def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, search: str,
+             stats: dict, in_tree: Any = None, out_tree: Any = None,
+             pinned: dict[int, Spec] | None = None, memory_limit: int | None = None,
+             buffers: BufferModel | None = None) -> Plan:
+    """The Plan of `decisions` (tally, memory estimate, write-up in one). `buffers` is the
+    compiler's buffer model, by default the one of the profile's platform."""
+    buffers = buffers or buffer_model(hw.platform)
+    chosen = Candidate(decisions, tally(graph, decisions, mesh, hw, pinned),
+                       plan_memory(graph, decisions, mesh, buffers), stats)
+    return written_up(graph, chosen, mesh, hw, search, in_tree, out_tree, memory_limit, buffers)
 
 
 def output_specs(graph: OpGraph, decisions: Decisions,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Callable
 
 from autopar.cost.liveness import mib
 from autopar.cost.memory import kept_bytes, plan_memory
@@ -34,7 +34,8 @@ from autopar.cost.xla import BufferModel
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions
-from autopar.trace.analysis import layer_steps, roles
+from autopar.planning.assemble import Candidate
+from autopar.trace.analysis import layer_steps, recomputed_layers, roles
 from autopar.trace.ir import OpGraph
 from autopar_search import SearchTooLargeError
 
@@ -43,84 +44,83 @@ BISECTIONS = 5
 CAP_BISECTIONS = 3  # proven searches that raise the kept-bytes cap
 
 # (memory price in seconds per byte, forward steps to recompute, cap on kept bytes or None)
-#  -> (decisions, plan); with a cap, SearchTooLargeError where the answer cannot be proven
-Attempt = Callable[[float, frozenset, "float | None"], tuple[Any, Any]]
-
-
-def peak(plan: Any) -> int:
-    return int(plan.cost["peak_memory_bytes"])
+#  -> the search's candidate; with a cap, SearchTooLargeError where the answer cannot be proven
+Attempt = Callable[[float, frozenset, "float | None"], Candidate]
 
 
 def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | None,
-                buffers: BufferModel, exact: bool = False) -> tuple[Any, Any]:
-    """The fastest plan `attempt` finds that fits `limit` bytes per device (see module doc),
-    estimated as `buffers` (the compiler's buffer model) says. `exact`: `attempt` takes a cap
-    on kept bytes (dynamic_programming)."""
-    decisions, plan = attempt(0.0, frozenset(), None)
-    if limit is None or peak(plan) <= limit:
-        return decisions, plan
-    tried = [(0.0, decisions, plan)]
-    start = plan.cost["total_s"] / max(peak(plan), 1)
+                buffers: BufferModel, prove: bool = False) -> Candidate:
+    """The fastest candidate `attempt` finds that fits `limit` bytes per device (see module
+    doc), estimated as `buffers` (the compiler's buffer model) says. `prove`: `attempt` takes
+    a cap on kept bytes (dynamic_programming), and the price search's answer is proven."""
+    free = attempt(0.0, frozenset(), None)
+    if limit is None or free.peak_bytes <= limit:
+        return free
+    tried = [(0.0, free)]
+    start = free.tally.total_s / max(free.peak_bytes, 1)
 
-    def search_prices(recompute: frozenset) -> tuple[Any, Any] | None:
+    def search_prices(recompute: frozenset) -> Candidate | None:
         """Raise the price until a plan fits, then bisect below it; the fastest that fits."""
         lo, hi, fits = 0.0, None, []
         for k in range(RAISES + 1):
             price = 0.0 if (k == 0 and recompute) else start * 8.0 ** k
-            d, p = attempt(price, recompute, None)
-            tried.append((price, d, p))
-            if peak(p) <= limit:
+            c = attempt(price, recompute, None)
+            tried.append((price, c))
+            if c.peak_bytes <= limit:
                 hi = price
-                fits.append((price, d, p))
+                fits.append((price, c))
                 break
             lo = price
         if hi is None:
             return None
         for _ in range(BISECTIONS if hi > 0 else 0):
             price = math.sqrt(lo * hi) if lo > 0 else hi / 8
-            d, p = attempt(price, recompute, None)
-            tried.append((price, d, p))
-            if peak(p) <= limit:
+            c = attempt(price, recompute, None)
+            tried.append((price, c))
+            if c.peak_bytes <= limit:
                 hi = price
-                fits.append((price, d, p))
+                fits.append((price, c))
             else:
                 lo = price
-        price, d, p = min(fits, key=lambda f: f[2].cost["total_s"])
-        proven = _proven(attempt, graph, mesh, limit, recompute, d, tried) if exact else None
+        price, c = min(fits, key=lambda f: f[1].tally.total_s)
+        proven = _proven(attempt, graph, mesh, limit, recompute, c, tried) if prove else None
         if proven is not None:
-            return proven[0], _with_stats(proven[1], None, tried, limit)
-        return d, _with_stats(p, price, tried, limit)
+            return _with_stats(proven, None, tried, limit)
+        return _with_stats(c, price, tried, limit)
 
     found = search_prices(frozenset())
     if found is None:
-        lean = min(tried, key=lambda t: peak(t[2]))[1]
-        recompute = _layers_to_recompute(graph, lean, mesh, limit, buffers)
+        recompute = _layers_to_recompute(graph, _leanest(tried).decisions, mesh, limit, buffers)
         if recompute:
             found = search_prices(recompute)
     if found is None:
-        raise nothing_fits(min(tried, key=lambda t: peak(t[2]))[2], limit, mesh)
+        raise nothing_fits(_leanest(tried), limit, graph, mesh)
     return found
 
 
+def _leanest(tried: list[tuple[float | None, Candidate]]) -> Candidate:
+    return min((c for _, c in tried), key=lambda c: c.peak_bytes)
+
+
 def _proven(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int,
-            recompute: frozenset, fitting: Any, tried: list) -> tuple[Any, Any] | None:
-    """The proven fastest plan under the largest kept-bytes cap tried whose plan fits `limit`,
-    starting at the kept bytes of `fitting` (the price search's answer) and bisecting towards
-    the least kept bytes among the faster plans that did not fit (module doc). None where the
-    search cannot prove (tables too large) or the first proven plan does not fit."""
-    lo = kept_bytes(graph, fitting, mesh)
-    over = [kept_bytes(graph, d, mesh) for _, d, p in tried
-            if peak(p) > limit and d.recompute == recompute]
+            recompute: frozenset, fitting: Candidate, tried: list) -> Candidate | None:
+    """The proven fastest candidate under the largest kept-bytes cap tried whose plan fits
+    `limit`, starting at the kept bytes of `fitting` (the price search's answer) and bisecting
+    towards the least kept bytes among the faster plans that did not fit (module doc). None
+    where the search cannot prove (tables too large) or the first proven plan does not fit."""
+    lo = kept_bytes(graph, fitting.decisions, mesh)
+    over = [kept_bytes(graph, c.decisions, mesh) for _, c in tried
+            if c.peak_bytes > limit and c.decisions.recompute == recompute]
     hi = min((k for k in over if k > lo), default=None)
     cap, best = float(lo), None
     for _ in range(1 + CAP_BISECTIONS):
         try:
-            d, p = attempt(0.0, recompute, cap)
+            c = attempt(0.0, recompute, cap)
         except SearchTooLargeError:
             return None
-        tried.append((None, d, p))
-        if peak(p) <= limit:
-            best, lo = (d, p), cap
+        tried.append((None, c))
+        if c.peak_bytes <= limit:
+            best, lo = c, cap
         else:
             hi = cap
         if best is None or hi is None:
@@ -129,16 +129,16 @@ def _proven(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int,
     return best
 
 
-def _with_stats(plan: Any, price: float | None, tried: list, limit: int) -> Any:
-    """The plan's stats with the price found (None: proven under a kept-bytes cap), and the
-    searches it took: their number and their seconds together (`search_s` is the last
+def _with_stats(chosen: Candidate, price: float | None, tried: list, limit: int) -> Candidate:
+    """The candidate's stats with the price found (None: proven under a kept-bytes cap), and
+    the searches it took: their number and their seconds together (`search_s` is the last
     search's alone)."""
-    stats = dict(plan.search_stats, memory_price_s_per_byte=price or 0.0,
+    stats = dict(chosen.stats, memory_price_s_per_byte=price or 0.0,
                  memory_solves=len(tried), memory_limit_bytes=limit,
-                 memory_search_s=sum(p.search_stats["search_s"] for _, _, p in tried))
+                 memory_search_s=sum(c.stats["search_s"] for _, c in tried))
     if price is not None and price > 0:  # the fastest fitting found; no proof none faster fits
         stats["exact"] = False
-    return dataclasses.replace(plan, search_stats=stats)
+    return dataclasses.replace(chosen, stats=stats)
 
 
 def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
@@ -174,14 +174,15 @@ def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
     return first(hi)
 
 
-def nothing_fits(lean: Any, limit: int, mesh: MeshShape) -> AutoparError:
+def nothing_fits(lean: Candidate, limit: int, graph: OpGraph, mesh: MeshShape) -> AutoparError:
     """The error for a budget no plan meets: the least memory found, and what fills it."""
     m = lean.memory
-    kinds = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in m["at_peak"].items() if v)
-    largest = "; ".join(f"{what} {mib(b)}" for what, b in m["largest"])
-    recomputed = (f" with {len(lean.recompute)} layer(s) recomputed" if lean.recompute else "")
+    kinds = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in m.at_peak.items() if v)
+    largest = "; ".join(f"{what} {mib(b)}" for what, b in m.largest)
+    layers = recomputed_layers(graph, lean.decisions.recompute)
+    recomputed = f" with {len(layers)} layer(s) recomputed" if layers else ""
     return AutoparError(
         f"no plan fits memory_limit={mib(limit)} per device on mesh {mesh}. The leanest plan "
-        f"found{recomputed} needs {mib(m['peak_bytes'])} per device, at {m['where']}: {kinds}. "
-        f"Largest buffers then: {largest}. Fix: allow at least {mib(m['peak_bytes'])} "
+        f"found{recomputed} needs {mib(m.peak_bytes)} per device, at {m.where}: {kinds}. "
+        f"Largest buffers then: {largest}. Fix: allow at least {mib(m.peak_bytes)} "
         "(memory_limit=), use more devices, a smaller batch, or smaller dtypes.")

@@ -11,11 +11,12 @@ from typing import Any, Callable, Sequence
 import jax
 
 from autopar.cost.hardware import Hardware
+from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, Plan
-from autopar.planning.assemble import assemble
+from autopar.planning.assemble import Candidate, assemble, tally, written_up
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.problem import Unit, make_units
@@ -43,6 +44,9 @@ class Planning:
     trace_s: float
     units: list[Unit] = field(init=False)
     problems: dict[MeshShape, dict] = field(default_factory=dict)  # built, unpriced, per mesh
+    # Under a memory limit, dynamic_programming proves the price search's answer where its
+    # tables fit (budget.py); False keeps the prices' answer, found sooner.
+    prove: bool = True
 
     def __post_init__(self) -> None:
         self.units = make_units(self.graph)
@@ -65,6 +69,7 @@ class Planning:
         least estimated cost. With `memory_limit` (bytes per device), only plans that fit it
         (`budget`)."""
         shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
+        prove = self.prove and self.search == "dynamic_programming"
         best = None
         first_error = fit_error = None
         for shape in shapes:
@@ -74,31 +79,32 @@ class Planning:
                 first_error = first_error or e
                 continue
             try:
-                decisions, plan = plan_within(
-                    functools.partial(self._attempt, shape, pinned, memory_limit), self.graph,
-                    shape, memory_limit, self.buffers, exact=self.search == "dynamic_programming")
+                chosen = plan_within(
+                    functools.partial(self._attempt, shape, pinned), self.graph, shape,
+                    memory_limit, self.buffers, prove)
             except AutoparError as e:  # nothing fits this mesh: the error to report
                 fit_error = fit_error or e
                 continue
-            if best is None or plan.cost["total_s"] < best[1].cost["total_s"]:
-                best = (decisions, plan)
+            if best is None or chosen.tally.total_s < best[1].tally.total_s:
+                best = (shape, chosen)
         if best is None:
             raise fit_error or first_error
-        return best[0], dataclasses.replace(best[1], search_stats=exactness(
-            best[1].search_stats))
+        shape, chosen = best
+        chosen = dataclasses.replace(chosen, stats=exactness(chosen.stats))
+        return chosen.decisions, written_up(self.graph, chosen, shape, self.hw, self.search,
+                                            self.in_tree, self.out_tree, memory_limit,
+                                            self.buffers)
 
-    def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], memory_limit: int | None,
-                 price: float, recompute: frozenset, kept_budget: float | None
-                 ) -> tuple[Decisions, Plan]:
-        """One search at a memory price (budget.Attempt), and its Plan."""
+    def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
+                 recompute: frozenset, kept_budget: float | None) -> Candidate:
+        """One search at a memory price (budget.Attempt): its decisions, cost and memory."""
         problems = self.problems.setdefault(shape, {})
         decisions, stats = solve(self.graph, shape, self.hw, self.search, pinned, price,
                                  self.units, problems, kept_budget)
         decisions = dataclasses.replace(decisions, recompute=recompute)
         stats["trace_s"] = self.trace_s
-        return decisions, assemble(self.graph, decisions, shape, self.hw, self.search, stats,
-                                   self.in_tree, self.out_tree, pinned, memory_limit,
-                                   self.buffers)
+        return Candidate(decisions, tally(self.graph, decisions, shape, self.hw, pinned),
+                         plan_memory(self.graph, decisions, shape, self.buffers), stats)
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,

@@ -25,20 +25,10 @@ from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
                            rule_for)
 from autopar.rules.factors import canonical, strategy
+from autopar.rules.kinds import DECIDERS, GROWTH
 from autopar.trace.analysis import roles
 from autopar.trace.ir import Op, OpGraph, Tensor
 from autopar.trace.layers import repeated_ties
-
-# Operators that choose their own strategy; every other operator with a rule follows the
-# sharding of its main operand (reductions keep their input's split and all-reduce the partials).
-DECIDERS = {"dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add",
-            "scatter_add", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub",
-            "while", "cond"}
-
-
-# An operator whose result holds this many times its main operand's elements decides its own
-# split (see main_operand).
-GROWTH = 2
 
 
 class AutoparWarning(UserWarning):
@@ -205,6 +195,17 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
             node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph, mesh, hw,
                                                   op_costs)
 
+    edges = _resharding(graph, units, producer, node_of, choices, reshard, node_costs)
+    names = tuple(units[r].name for r in roots)
+    cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
+    return Problem(cost_graph, units, node_of, choices, producer, roots)
+
+
+def _resharding(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
+               node_of: list[int], choices: list[list[Strategy]], reshard: _Resharding,
+               node_costs: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
+    """The edges that charge each operand's resharding from its producer's spec to what its
+    user needs; a resharding inside one node is added to `node_costs` instead."""
     edges: list[tuple[int, int, np.ndarray]] = []
 
     def connect(t: int, src: tuple[int, str, int], dst: tuple[int, str, int], scale: float):
@@ -233,10 +234,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         if t_out in producer and t_in in producer:
             p, k = producer[t_out]
             connect(t_out, (p, "out", k), (producer[t_in][0], "out", 0), 1.0)
-
-    names = tuple(units[r].name for r in roots)
-    cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
-    return Problem(cost_graph, units, node_of, choices, producer, roots)
+    return edges
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],

@@ -3,11 +3,11 @@ rebuilt from them when the plan is applied to a trace of the step.
 
 The search gives a choice only to the operators that decide their sharding; every other
 operator follows the producer of its main operand (problem._group). A saved plan records the
-deciding operators' strategies (`compact_decisions`), and applying it walks the step's units in
-order as the search does: a recorded operator takes its strategy, a follower derives its own
-from its producer's result spec with `follow`. Nothing is priced and nothing searched: each
-deciding unit has its one recorded strategy. A detailed plan (every operator in `ops`) applies
-as recorded.
+deciding operators' strategies (plan_json.compact_decisions), and applying it walks the step's
+units in order as the search does: a recorded operator takes its strategy, a follower derives
+its own from its producer's result spec with `follow`. Nothing is priced and nothing searched:
+each deciding unit has its one recorded strategy. A detailed plan (every operator in `ops`)
+applies as recorded.
 """
 from __future__ import annotations
 
@@ -18,74 +18,13 @@ from typing import Sequence
 from autopar.errors import collect_errors
 from autopar.mesh import MeshShape
 from autopar.plan import Decision, Decisions, OpDecision, Plan, Repeat
-from autopar.plan_json import collapse, expand
-from autopar.planning.problem import DECIDERS, GROWTH, main_operand, make_units
+from autopar.planning.problem import main_operand, make_units
 from autopar.rules import Spec, Strategy, enumerate_strategies, follow
 from autopar.rules.factors import canonical
+from autopar.rules.kinds import decides
 from autopar.trace.analysis import layer_steps
 from autopar.trace.ir import OpGraph
-from autopar.trace.layers import instance_of, layer_key
-from autopar.trace.shard import SHARD_PRIMITIVE
-
-
-def decides(primitive: str, in_shapes: Sequence[tuple[int, ...]],
-            out_shapes: Sequence[tuple[int, ...]]) -> bool:
-    """Whether an operator chooses its own strategy in the search (problem._group), as far as its
-    primitive and shapes tell: deciders and `autopar.shard` marks; an operator whose result is
-    GROWTH times an operand it could follow (a broadcast, a concatenation); not one with an
-    operand of its result's shape, which it follows (an elementwise operator), nor one with
-    nothing to split. The test sees no constants: an operator whose operands of the result's
-    shape are all constants follows a smaller operand, and may decide where this says it does
-    not; applying such a plan names the operator (saved.py)."""
-    if primitive in DECIDERS or primitive == SHARD_PRIMITIVE:
-        return True
-    if not any(d > 1 for shape in (*in_shapes, *out_shapes) for d in shape):
-        return False  # nothing to split: one strategy
-    if not in_shapes or not out_shapes:
-        return True
-    out = out_shapes[0]
-    if any(tuple(s) == tuple(out) for s in in_shapes):
-        return False
-    return any(math.prod(out) >= GROWTH * math.prod(s) for s in in_shapes)
-
-
-def compact_decisions(ops: Sequence[OpDecision]) -> tuple[Decision | Repeat, ...]:
-    """The deciding operators' decisions in operator order; an instance of a repeated layer
-    whose decisions equal an earlier instance's (same operators, shapes and specs, in order)
-    becomes one Repeat after that instance's last entry."""
-    deciding = [o for o in ops if decides(o.primitive, o.in_shapes, o.out_shapes)]
-    members: dict[str, list[OpDecision]] = defaultdict(list)
-    for o in deciding:
-        inst = instance_of(o.scope)
-        if inst is not None:
-            members[inst].append(o)
-    first: dict[tuple, str] = {}
-    same_as: dict[str, str] = {}
-    for inst, group in members.items():
-        key = (layer_key(inst), tuple((o.primitive, o.backward, o.scope[len(inst):], o.in_shapes,
-                                       o.in_specs, o.out_specs, o.partial_axes) for o in group))
-        if key in first:
-            same_as[inst] = first[key]
-        else:
-            first[key] = inst
-    copies: dict[str, list[str]] = defaultdict(list)
-    for inst, target in same_as.items():
-        copies[target].append(inst)
-    out: list[Decision | Repeat] = []
-    after: dict[str, int] = {}  # instance -> position after its last entry
-    for o in deciding:
-        inst = instance_of(o.scope)
-        if inst in same_as:
-            continue
-        out.append(Decision(o.index, o.primitive, o.scope, o.backward, o.in_shapes, o.in_specs,
-                            o.out_specs, o.partial_axes))
-        if inst in copies:
-            after[inst] = len(out)
-    for target, at in sorted(after.items(), key=lambda item: -item[1]):
-        # in the order their JSON pattern expands to, so that a plan read back compares equal
-        names = tuple(n for p in collapse(copies[target]) for n in expand(p))
-        out.insert(at, Repeat(names, target))
-    return tuple(out)
+from autopar.trace.layers import instance_of
 
 
 def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisions:

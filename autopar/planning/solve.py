@@ -38,9 +38,9 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
           pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0,
           units: list[Unit] | None = None, problems: dict | None = None,
           kept_budget: float | None = None) -> tuple[Decisions, dict]:
-    """Search the strategies of `graph` on `mesh` with the search `algorithm`, the tensors in `pinned` fixed
-    (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte kept per
-    device charged `memory_weight` seconds (see Problem.priced).
+    """Search the strategies of `graph` on `mesh` with the search `algorithm`, the tensors in
+    `pinned` fixed (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte
+    kept per device charged `memory_weight` seconds (see Problem.priced).
 
     With `kept_budget` (dynamic_programming only), the fastest plan keeping at most that many
     bytes per device (memory.kept_bytes), proven by branch and bound (search.constrained);
@@ -63,13 +63,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         if algorithm != "dynamic_programming":
             raise ValueError("kept_budget is a dynamic_programming search")
         problem = full()
-        if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) > EXACT_TABLE_LIMIT:
-            raise search.SearchTooLargeError("exact tables exceed EXACT_TABLE_LIMIT")
-        solution = search.solve_constrained(problem.graph, problem.kept(graph, mesh),
-                                            kept_budget, max_factor_size=EXACT_TABLE_LIMIT,
-                                            max_parts=PROOF_PARTS)
-        extra = {"kept_bytes": solution.stats.pop("use"),
-                 "kept_budget_bytes": solution.stats.pop("budget")}
+        solution, extra = _within_kept_budget(problem, graph, mesh, kept_budget)
         space = "full, kept bytes within a budget"
     elif algorithm == "recursive_programming":
         problem, solution, extra = solve_recursive(graph, mesh, hw, pinned, units,
@@ -85,40 +79,58 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         problem, solution = _propagate(full(), pinned)
         space = "propagation from the annotations"
     else:
-        problem = None
-        if (any(unit.tie is not None for unit in units)
-                and untied_node_count(graph, units, pinned or {}) <= UNTIED_NODE_LIMIT):
-            # Small enough to search without the ties, where its exact tables fit: the answer
-            # is then the optimum over every plan, not only those that repeat layers. Built
-            # first, so that the tied problem is built only where the untied one is too wide.
-            untied = kept_problem(problems, "untied", lambda: build_problem(
-                graph, mesh, hw, pinned, tie_layers=False, units=units)
-                ).priced(graph, mesh, memory_weight)
-            if search.largest_table(untied.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
-                problem = untied
-        if problem is None:
-            problem = full()
-        fits = search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT
-        if fits:
+        problem = _untied(graph, mesh, hw, pinned, units, problems, memory_weight) or full()
+        if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) <= EXACT_TABLE_LIMIT:
             solution, space = search.solve(problem.graph, algorithm,
                                            max_factor_size=EXACT_TABLE_LIMIT), "full"
         else:
             solution, space = _best_within_bound(problem, mesh)
     t1 = time.perf_counter()
-    strategies = problem.decode(solution.choice)
+    stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
+    stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
+                 objective_s=float(solution.cost), ops=len(graph.ops),
+                 tied_units=tied_units(problem, graph))
+    return _decisions(problem, solution, graph), stats
+
+
+def _within_kept_budget(problem: Problem, graph: OpGraph, mesh: MeshShape, kept_budget: float
+                        ) -> tuple[search.Solution, dict[str, Any]]:
+    """The fastest plan keeping at most `kept_budget` bytes, by branch and bound."""
+    if search.largest_table(problem.graph, EXACT_TABLE_LIMIT) > EXACT_TABLE_LIMIT:
+        raise search.SearchTooLargeError("exact tables exceed EXACT_TABLE_LIMIT")
+    solution = search.solve_constrained(problem.graph, problem.kept(graph, mesh), kept_budget,
+                                        max_factor_size=EXACT_TABLE_LIMIT, max_parts=PROOF_PARTS)
+    return solution, {"kept_bytes": solution.stats.pop("use"),
+                      "kept_budget_bytes": solution.stats.pop("budget")}
+
+
+def _untied(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec] | None,
+            units: list[Unit], problems: dict | None, memory_weight: float) -> Problem | None:
+    """The problem without repeated-layer ties, where the step is small enough to search that
+    way and its exact tables fit: the answer is then the optimum over every plan, not only
+    those that repeat layers. Built before the tied one, which is then built only where this
+    one is too wide. None where there are no ties or it does not fit."""
+    if (not any(unit.tie is not None for unit in units)
+            or untied_node_count(graph, units, pinned or {}) > UNTIED_NODE_LIMIT):
+        return None
+    untied = kept_problem(problems, "untied", lambda: build_problem(
+        graph, mesh, hw, pinned, tie_layers=False, units=units)).priced(graph, mesh, memory_weight)
+    if search.largest_table(untied.graph, EXACT_TABLE_LIMIT) > EXACT_TABLE_LIMIT:
+        return None
+    return untied
+
+
+def _decisions(problem: Problem, solution: search.Solution, graph: OpGraph) -> Decisions:
+    """The solution's strategy per operator, and the specs of the inputs."""
     by_tensor = {}
     ops: list[Strategy | None] = [None] * len(graph.ops)
-    for unit, st in zip(problem.units, strategies):
+    for unit, st in zip(problem.units, problem.decode(solution.choice)):
         if unit.op is None:
             by_tensor[unit.outputs[0]] = st.out_specs[0]
         else:
             ops[unit.op.id] = st
     inputs = [by_tensor.get(t, replicated(len(graph.tensors[t].shape))) for t in graph.inputs]
-    stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
-    stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
-                 objective_s=float(solution.cost), ops=len(graph.ops),
-                 tied_units=tied_units(problem, graph))
-    return Decisions(inputs, ops), stats
+    return Decisions(inputs, ops)
 
 
 def tied_units(problem: Problem, graph: OpGraph) -> int:

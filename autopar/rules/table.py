@@ -9,41 +9,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from autopar.rules.factors import Dims, Rule
+from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, RANDOM_ELEMENTWISE, REDUCTIONS
 from autopar.rules.layout import (Factors, broadcast_in_dim, concatenate, dynamic_slice,
-                                  dynamic_update_slice, expand_dims, pad, reshape, rev,
-                                  slice_rule, split, squeeze, stack, tile, transpose, unstack)
+                                  dynamic_update_slice, expand_dims, pad, reshape, rev, slice_rule,
+                                  split, squeeze, stack, tile, transpose, unstack)
 
 Shape = tuple[int, ...]
 RuleFn = Callable[[list[Shape], list[Shape], dict[str, Any]], Rule]
 
-ELEMENTWISE = {
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
-    "cbrt", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
-    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow",
-    "is_finite", "le", "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min", "mul",
-    "ne", "neg", "nextafter", "not", "or", "population_count", "pow", "real", "reduce_precision",
-    "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
-    "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
-    "tanh", "xor", "optimization_barrier", "scan_carry", "scan_carry_out", "autopar_shard",
-    "conj", "complex", "le_to", "lt_to", "igamma", "igammac", "igamma_grad_a", "polygamma",
-    "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "clz",
-}
-# Elementwise too, but not fused: random numbers, one key (a key array's element) or one
-# counter at a time. Seeding, folding data into keys, copying them, the hash itself on uint32
-# words (a loop of rounds on CPU: XLA does not fuse it into its readers), and gamma draws (a
-# rejection loop per element).
-RANDOM_ELEMENTWISE = {"random_seed", "random_fold_in", "random_clone", "threefry2x32",
-                      "threefry4x32", "random_gamma"}
-# Operators XLA fuses into their reader (on every platform: loop fusion of elementwise chains).
-FUSED = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-                       "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", "copy_p",
-                       "split", "bitcast_convert_type", "stack", "unstack", "tile"}
-# Readers that take fused producers in: loop fusions and reductions' input fusions.
-FUSING_READERS = FUSED | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
-                          "argmin", "reduce_and", "reduce_or"}
-REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-              "reduce_xor"}
-CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 
 
 def elementwise(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:

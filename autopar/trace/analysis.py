@@ -21,7 +21,7 @@ def per_graph(fact: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(fact)
     def cached(graph: OpGraph, *args: object) -> T:
         memo = graph.__dict__.setdefault("_facts", {})
-        key = (fact.__name__, *args)
+        key = (fact.__module__, fact.__name__, *args)
         if key not in memo:
             memo[key] = fact(graph, *args)
         return memo[key]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -17,24 +17,13 @@ from autopar.cost.model import group_size, reshard_sequence, shard_bytes
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
-from autopar.rules.table import FUSED, FUSING_READERS
+from autopar.rules.kinds import CHEAP, FUSED, FUSING_READERS
 from autopar.trace.analysis import ancestors, edges, per_graph, roles
-from autopar.trace.ir import OpGraph, Tensor
-
-# Fused operators XLA deems cheap (InstructionFusion::IsExpensive is false): read once, by the
-# backward pass, such a result is recomputed inside its reader's fusion from the chain's inputs
-# (which live instead); an expensive one (exp, tanh, div, ...) read by the backward pass is kept.
-CHEAP = {
-    "abs", "add", "add_any", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p",
-    "eq", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lt", "max", "min",
-    "mul", "ne", "neg", "not", "or", "population_count", "real", "reduce_precision", "round",
-    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
-    "stop_gradient", "sub", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-    "transpose", "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"}
+from autopar.trace.ir import OpGraph, Step, Tensor
 
 
-def scatter_into_sum(program: Any, producer_step: dict[int, int], primitive: Any, i: int,
-                     readers: Any) -> bool:
+def scatter_into_sum(program: Sequence[Step], producer_step: dict[int, int],
+                     primitive: Callable[[int], str], i: int, readers: list[int]) -> bool:
     """Whether step i scatter-adds into zeros for a sum alone (the transpose of a gather, read
     by the gradient's add): XLA's simplifier scatters into the sum's other operand instead, in
     place, so the scatter has no buffer of its own."""
@@ -169,7 +158,7 @@ def transposed_operands(graph: OpGraph) -> tuple[tuple[int, int, int], ...]:
                     for k in _convolution_transposes(step.eqn.params["dimension_numbers"])]
         elif name == "dot_general":
             shapes = [graph.tensors[t].shape for t in step.inputs[:2]]
-            for k in _dot_transposes(step.eqn.params["dimension_numbers"], shapes):
+            for k in dot_transposes(step.eqn.params["dimension_numbers"], shapes):
                 t = step.inputs[k]
                 producer = producer_step.get(t)
                 # A transpose of a fused chain's result read by this dot alone fuses into the
@@ -196,7 +185,7 @@ def _convolution_transposes(dn: Any) -> list[int]:
     return out + ([-1] if tuple(dn.out_spec) != canonical_data else [])
 
 
-def _dot_transposes(dn: Any, shapes: list[tuple[int, ...]]) -> list[int]:
+def dot_transposes(dn: Any, shapes: list[tuple[int, ...]]) -> list[int]:
     """The operands of a dot XLA transposes. Its dot decomposition reshapes an operand with
     more than one contracting or non-contracting dimension, or batch dimensions not leading,
     into a (batch, rows, contracted) or (batch, contracted, columns) matrix; an operand whose
