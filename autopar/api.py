@@ -195,6 +195,8 @@ class AutoParallel:
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
+        # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
+        self.platform = compiler_platform(mesh, hw)
         if saved is not None and not isinstance(mesh, Mesh):
             self.requested = mesh_shape(dict(saved.mesh))
         self._cache: dict[Any, _Signature] = {}
@@ -229,7 +231,7 @@ class AutoParallel:
         assembled = functools.partial(
             assemble, graph, decisions, shape, self.hw, self.saved.search,
             dict(self.saved.search_stats), in_tree, out_tree,
-            buffers=buffer_model(compiler_platform(self.requested, self.hw)))
+            buffers=buffer_model(self.platform))
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled)
 
@@ -237,7 +239,7 @@ class AutoParallel:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
         planning = Planning.traced(call.step(), call.abstract(), self.hw, self.search,
                                    self.annotations, call.donated,
-                                   compiler_platform(self.requested, self.hw))
+                                   self.platform)
         limit = self.memory_limit
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
