@@ -7,10 +7,10 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.calling import Call, Conventions
+from autopar.accumulate import check_microbatches, step_of
+from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.hlo import compiled_memory_bytes
@@ -41,7 +41,8 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          hardware: str | Hardware | None = None, annotations: Annotations = None,
          memory_limit: int | str | None = None, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-         donate_argnames: str | Sequence[str] = ()) -> Plan:
+         donate_argnames: str | Sequence[str] = (), microbatches: int = 1,
+         batch_argnums: int | Sequence[int] = -1) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -55,17 +56,19 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     activations and recomputing layers as needed; if none fits, an AutoparError says how much
     the leanest plan needs. `static_argnums` / `static_argnames`, `donate_argnums` /
     `donate_argnames`: as in `auto_parallel` (the memory estimate holds an undonated state
-    twice, the old and the new).
+    twice, the old and the new). `microbatches`, `batch_argnums`: as in `auto_parallel`.
     """
     _check_search(search)
     check_annotations_type(annotations)
+    check_microbatches(microbatches)
     call = Call(fn, Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                    donate_argnames), args, {})
     hw = get_profile(hardware)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     with young_objects_only():
-        planning = Planning.traced(call.step(), call.abstract(), hw, search, annotations,
-                                   call.donated, compiler_platform(mesh, hw))
+        planning = Planning.traced(step_of(call, microbatches, batch_argnums), call.abstract(),
+                                   hw, search, annotations, call.donated,
+                                   compiler_platform(mesh, hw), microbatches)
         return planning.plan(_mesh_or_count(mesh), limit)[1]
 
 
@@ -112,7 +115,8 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                   static_argnums: int | Sequence[int] = (),
                   static_argnames: str | Sequence[str] = (),
                   donate_argnums: int | Sequence[int] = (),
-                  donate_argnames: str | Sequence[str] = ()) -> Any:
+                  donate_argnames: str | Sequence[str] = (), microbatches: int = 1,
+                  batch_argnums: int | Sequence[int] = -1) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
@@ -133,12 +137,21 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     every device, and deletes those arrays. An argument autopar has to move onto the mesh (a
     single-device array, say) is copied there and only the copy is donated: the caller's
     array is never deleted.
+
+    `microbatches=M` accumulates the gradient over M microbatches of the batch (the positional
+    arguments `batch_argnums`, by default the last, split along their first dimension): the
+    step's `autopar.value_and_grad` (or `autopar.grad`, in place of jax's) runs on one
+    microbatch after the other and adds up their losses and gradients, and the rest of the
+    step runs once. The sums equal the full batch's, masked and token-weighted losses
+    included; a loss that is not a sum over microbatches (batch statistics, in-batch
+    negatives) is refused with the operation that makes it so (autopar/accumulate.py).
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
                                  plan=plan, annotations=annotations, memory_limit=memory_limit,
                                  static_argnums=static_argnums, static_argnames=static_argnames,
-                                 donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+                                 donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+                                 microbatches=microbatches, batch_argnums=batch_argnums)
     if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
         raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
@@ -146,21 +159,29 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                            "*args, mesh={...}).")
     _check_search(search)
     check_annotations_type(annotations)
+    check_microbatches(microbatches)
+    plan = _saved_plan(plan, annotations)
+    conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
+                                 donate_argnames)
+    hw = get_profile(hardware)
+    return AutoParallel(fn, mesh, search, hw, plan, annotations,
+                        resolve_memory_limit(memory_limit, hw, mesh), conventions, microbatches,
+                        batch_argnums)
+
+
+def _saved_plan(plan: Plan | str | os.PathLike | None, annotations: Annotations) -> Plan | None:
+    """auto_parallel's plan=, read and checked."""
     if plan is not None and annotations is not None:
         raise AutoparError("auto_parallel got both plan= (apply a saved plan, no search) and "
                            "annotations= (seeds for a search). Fix: pass one; to seed a search "
                            "with a saved plan, pass it as annotations=plan.")
     if isinstance(plan, (str, os.PathLike)):
-        plan = load_plan(os.fspath(plan))
-    elif plan is not None and not isinstance(plan, Plan):
+        return load_plan(os.fspath(plan))
+    if plan is not None and not isinstance(plan, Plan):
         raise AutoparError(f"auto_parallel's plan= takes an autopar.Plan or the path of a "
                            f"saved one, got {type(plan).__name__}. Fix: plan=autopar.load_plan("
                            "path), or plan=path.")
-    conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
-                                 donate_argnames)
-    hw = get_profile(hardware)
-    return AutoParallel(fn, mesh, search, hw, plan, annotations,
-                        resolve_memory_limit(memory_limit, hw, mesh), conventions)
+    return plan
 
 
 def _check_search(search: str) -> None:
@@ -189,11 +210,18 @@ class AutoParallel:
 
     def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
                  saved: Plan | None, annotations: Annotations = None,
-                 memory_limit: int | None = None, conventions: Conventions | None = None
-                 ) -> None:
+                 memory_limit: int | None = None, conventions: Conventions | None = None,
+                 microbatches: int = 1, batch_argnums: int | Sequence[int] = -1) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
+        if saved is not None and saved.microbatches > 1:
+            if microbatches not in (1, saved.microbatches):
+                raise AutoparError(f"the saved plan accumulates over {saved.microbatches} "
+                                   f"microbatches, and microbatches={microbatches} was asked. "
+                                   "Fix: drop microbatches= to apply the plan as saved.")
+            microbatches = saved.microbatches
+        self.microbatches, self.batch_argnums = microbatches, batch_argnums
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
         # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
         self.platform = compiler_platform(mesh, hw)
@@ -223,23 +251,28 @@ class AutoParallel:
 
     def _from_saved(self, call: Call, shape: MeshShape) -> _Signature:
         """The saved plan's decisions applied to this step: no search."""
-        graph, in_tree, out_shape = trace(call.step(), call.abstract(), call.donated)
+        graph, in_tree, out_shape = trace(self._step(call), call.abstract(), call.donated)
         decisions = decisions_from_plan(graph, self.saved, shape)
         out_tree = jax.tree_util.tree_structure(out_shape)
         # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
         # running the step needs the decisions alone.
-        assembled = functools.partial(
-            assemble, graph, decisions, shape, self.hw, self.saved.search,
-            dict(self.saved.search_stats), in_tree, out_tree,
-            buffers=buffer_model(self.platform))
+        def assembled() -> Plan:
+            plan = assemble(graph, decisions, shape, self.hw, self.saved.search,
+                            dict(self.saved.search_stats), in_tree, out_tree,
+                            buffers=buffer_model(self.platform))
+            return dataclasses.replace(plan, microbatches=self.microbatches)
+
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled)
 
+    def _step(self, call: Call) -> Callable:
+        return step_of(call, self.microbatches, self.batch_argnums)
+
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        planning = Planning.traced(call.step(), call.abstract(), self.hw, self.search,
-                                   self.annotations, call.donated,
-                                   self.platform)
+        planning = Planning.traced(self._step(call), call.abstract(), self.hw, self.search,
+                                   self.annotations, call.donated, self.platform,
+                                   self.microbatches)
         limit = self.memory_limit
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
@@ -326,8 +359,8 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         made = self._compiled(call, key)
-        placed = _place(call.leaves, [NamedSharding(made.mesh, to_partition_spec(s))
-                                      for s in made.decisions.inputs], call.donated)
+        placed = place(call.leaves, [NamedSharding(made.mesh, to_partition_spec(s))
+                                     for s in made.decisions.inputs], call.donated)
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
@@ -352,38 +385,3 @@ def _abstract(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     """The flat arguments' shapes and dtypes."""
     return [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
             for x in leaves]
-
-
-def _place(leaves: Sequence[Any], shardings: Sequence[NamedSharding], donated: Any
-           ) -> list[Any]:
-    """Put the inputs where the plan wants them: those not there already, in one batched
-    device_put.
-
-    An array in host memory (the CPU platform's) is sliced from a numpy view of it: from a
-    device array, device_put compiles a slicing program per shape and sharding (a 4-layer
-    GPT's 204 leaves took 1.0 s, from numpy 0.13 s). A donated device array that has to move
-    is copied first: device_put reuses the caller's buffer for a shard that is the whole
-    array (a replicated leaf, such as optax's scalar count), and donating the mesh array would
-    then delete the caller's."""
-    placed = list(leaves)
-    moves = [k for k, (x, sharding) in enumerate(zip(leaves, shardings))
-             if not (isinstance(x, jax.Array) and x.sharding == sharding)]
-    if not moves:
-        return placed
-    sources = []
-    for k in moves:
-        x = leaves[k]
-        if isinstance(x, jax.Array) and _in_host_memory(x):
-            x = np.asarray(x)
-        elif isinstance(x, jax.Array) and k in donated:
-            x = jax.numpy.array(x, copy=True)
-        sources.append(x)
-    for k, x in zip(moves, jax.device_put(sources, [shardings[k] for k in moves])):
-        placed[k] = x
-    return placed
-
-
-def _in_host_memory(x: jax.Array) -> bool:
-    """Whether numpy can view `x` without a transfer (key arrays have no numpy dtype)."""
-    return (x.is_fully_addressable and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-            and all(d.platform == "cpu" for d in x.sharding.device_set))

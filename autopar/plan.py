@@ -138,6 +138,7 @@ class Plan:
     # the largest buffers then, and the limit planned for
     memory: dict[str, Any] = field(hash=False, default_factory=dict)
     recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
+    microbatches: int = 1  # the gradient accumulated over this many microbatches (accumulate.py)
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -190,6 +191,9 @@ class Plan:
             lines.append(f"memory at its peak{allowed} ({m['where']}): {kinds} MiB")
             if m.get("compiled_bytes"):
                 lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
+        if self.microbatches > 1:
+            lines.append(f"gradient accumulated over {self.microbatches} microbatches, one "
+                         "after the other")
         if self.recompute:
             lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
                          f" ms more compute): {', '.join(self.recompute)}")

@@ -271,6 +271,7 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
                  "axis_sizes": [s for _, s in plan.mesh]},
         "search": plan.search,
         "hardware": plan.hardware,
+        **({"microbatches": plan.microbatches} if plan.microbatches > 1 else {}),
         "inputs": [tensor_json(t) for t in plan.inputs],
         "outputs": outputs_json(plan.outputs, plan.inputs),
         "decisions": [decision_json(d) for d in plan.decisions],
@@ -295,7 +296,8 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
     inputs = tuple(tensor_from(t) for t in body["inputs"])
     return dict(
         mesh=tuple((str(n), int(s)) for n, s in zip(names, sizes)),
-        search=body.get("search", body.get("backend", "")), hardware=body.get("hardware", ""), inputs=inputs,
+        search=body.get("search", body.get("backend", "")), hardware=body.get("hardware", ""),
+        microbatches=int(body.get("microbatches", 1)), inputs=inputs,
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),
         ops=tuple(op_from(o) for o in body.get("ops", [])),
         cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),

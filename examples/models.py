@@ -75,15 +75,17 @@ class GPT(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-def linen_step(model: nn.Module, loss: Callable, tx: optax.GradientTransformation) -> Callable:
-    """The usual train step of a linen model: value_and_grad, then an optax update."""
+def linen_step(model: nn.Module, loss: Callable, tx: optax.GradientTransformation,
+               value_and_grad: Callable = jax.value_and_grad) -> Callable:
+    """The usual train step of a linen model: value_and_grad (jax's, or autopar's to
+    accumulate over microbatches), then an optax update."""
     def step(state, batch):
         params, opt_state = state
 
         def loss_fn(p):
             return loss(model.apply(p, batch["inputs"]), batch["targets"])
 
-        value, grads = jax.value_and_grad(loss_fn)(params)
+        value, grads = value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), value
     return step

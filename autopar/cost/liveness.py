@@ -7,13 +7,15 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from autopar.cost.model import shard_bytes
+from autopar.cost.model import shard_bytes, value_facts
 from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.trace.analysis import backward_steps, edges, per_graph, recomputed_layer_of
 from autopar.trace.ir import OpGraph, Step
 
+# the tracer's markers of a loop's carries and slices: views of the loop's own buffers
+LOOP_MARKS = frozenset({"scan_carry", "scan_slice", "scan_carry_out", "scan_stack"})
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
 
@@ -71,6 +73,7 @@ def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape, model: Buf
     buffers = walk.values()
     buffers += walk.reshardings()
     buffers += walk.transposes()
+    buffers += walk.loops()
     copies, slots = walk.copies()
     buffers += copies
     placed = (model.placed_in_donated([(b.first, b.last, b.nbytes) for b in buffers], slots)
@@ -301,6 +304,20 @@ class _Walk:
             out.append(Buffer(made, self.when[i], "temporaries", nbytes, t, "transposing", i))
         return out
 
+    def loops(self) -> list[Buffer]:
+        """A loop's body runs inside its step: its values, the fused ones aside, held while
+        the step runs. Counted without reuse, which bounds what the compiler keeps (an
+        accumulated gradient's loop is a whole forward and backward pass: see accumulate.py)."""
+        graph, out = self.graph, []
+        fused = value_facts(graph).fused
+        for i, ids in graph.loop_ops.items():
+            nbytes = sum(self.size(t) for k in ids if graph.ops[k].primitive not in LOOP_MARKS
+                         for t in graph.ops[k].outputs if t not in fused)
+            if nbytes:
+                out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
+                                  graph.program[i].outputs[0], "loop"))
+        return out
+
     def copies(self) -> tuple[list[Buffer], list[tuple[int, int, int]]]:
         """A donated input is updated in place; the compiler copies it, first of all, for the
         readers of the old value not ordered before the update (the optimizer's steps read the
@@ -353,6 +370,8 @@ class _Walk:
         path = tensors[b.tensor].path
         if b.how == "input":
             return path or f"input {b.tensor}"
+        if b.how == "loop":
+            return f"the values inside {_name(program[self.producer_step[b.tensor]], self.producer_step[b.tensor])}"
         if b.how == "copied":
             return f"{path or f'input {b.tensor}'} (copied before its update)"
         if b.how in ("resharding", "transposing"):

@@ -88,6 +88,8 @@ def decides(primitive: str, in_shapes: Sequence[tuple[int, ...]],
     not; applying such a plan names the operator (planning/saved.py)."""
     if primitive in DECIDERS or primitive == SHARD_MARK:
         return True
+    if primitive == "scan_carry":  # its initial value may be a constant (an accumulator's
+        return True               # zeros), and then it decides: recorded, loops being few
     if not any(d > 1 for shape in (*in_shapes, *out_shapes) for d in shape):
         return False  # nothing to split: one strategy
     if not in_shapes or not out_shapes:

@@ -86,6 +86,8 @@ class OpGraph:
     state_pairs: dict[int, int] = field(hash=False, compare=False, default_factory=dict)
     # input indices the caller donates (jax.jit's donate_argnums): XLA may write outputs there
     donated: frozenset[int] = frozenset()
+    # program step of a loop (scan) -> the planning ops of its body, which run inside that step
+    loop_ops: dict[int, tuple[int, ...]] = field(hash=False, compare=False, default_factory=dict)
 
     def __hash__(self) -> int:
         return self._hash

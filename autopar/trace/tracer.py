@@ -90,6 +90,7 @@ class _Builder:
     program: list[Step] = field(default_factory=list)
     const_values: dict[int, Any] = field(default_factory=dict)
     recomputations: int = 0  # differentiated remat2 bodies seen (see Step.remat)
+    loop_ops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # see OpGraph
 
     def tensor(self, aval: Any, path: str | None = None, const: bool = False) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
@@ -213,8 +214,10 @@ class _Builder:
                 op = self.add_op("scan_slice", (x,), (tid,), {"reverse": p["reverse"]}, source,
                                  repeat)
                 requires[n_const + n_carry + i] = (op, 0)
+        first_op = len(self.ops)
         body_outs = self.walk(body, body_const_ids, [*consts, *carry_in, *x_in],
                               repeat * length, execute=False, names=names)
+        body_ops = tuple(range(first_op, len(self.ops)))
         for op, out in zip(carry_ops, body_outs[:n_carry]):
             self.ops[op]["inputs"] = self.ops[op]["inputs"] + (out,)
         for k, (body_out, out) in enumerate(zip(body_outs, outs)):
@@ -224,6 +227,7 @@ class _Builder:
             else:
                 self.add_op(kind, (body_out,), (out,), {}, source, repeat)
         if execute:
+            self.loop_ops[len(self.program)] = body_ops
             self.program.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires)))
         return outs
 
@@ -273,7 +277,7 @@ def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset
     ops = tuple(Op(i, **o) for i, o in enumerate(b.ops))
     graph = OpGraph(tuple(b.tensors), ops, tuple(b.program), tuple(inputs), tuple(final_outs),
                     b.const_values, state_pairs(args, out_shape, len(inputs)),
-                    frozenset(donated))
+                    frozenset(donated), dict(b.loop_ops))
     return graph, jax.tree_util.tree_structure(tuple(args)), out_shape
 
 

@@ -1,0 +1,301 @@
+"""Gradient accumulation: the loss's gradient over microbatches, in one loop inside the step.
+
+`auto_parallel(..., microbatches=M)` runs the step's `autopar.value_and_grad` (or
+`autopar.grad`) on M microbatches one after the other, adding up their losses and gradients,
+so that only one microbatch's activations are live at a time. Everything else in the step (the
+optimizer's update, say) runs once, on the sums. Outside `auto_parallel` the two functions are
+`jax.value_and_grad` and `jax.grad`.
+
+The sums equal the full batch's loss and gradient, not only for a mean over examples. The loss
+is traced twice, at the full batch and at one microbatch (`separable.py` compares the two):
+- what the loss computes from the batch alone and sums over it (a token count for a masked
+  loss, say) is computed once, at the full batch, and used in every microbatch;
+- random numbers drawn per example (dropout) are drawn once for the full batch and sliced;
+- constants that depend on the batch size (the 1/B of a mean) are taken from the full trace.
+A loss that cannot be written as a sum over microbatches (batch statistics, in-batch negatives)
+is refused with the operation that makes it so.
+
+Microbatch j holds the examples j, j+M, j+2M, ...: with the batch split over devices along its
+first dimension, each device keeps its own share of every microbatch.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from autopar.calling import Call
+from autopar.errors import AutoparError
+from autopar.separable import Separability, evaluate, hoisted_values
+
+_ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
+    "autopar_accumulation", default=None)
+
+
+class _Captured(BaseException):
+    """Ends a trace of the step at its value_and_grad (BaseException: user code that catches
+    Exception lets it through)."""
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                   **options: Any) -> Callable:
+    """`jax.value_and_grad`, accumulated over microbatches inside a step that
+    `auto_parallel(..., microbatches=M)` runs (see the module's docstring)."""
+    plain = jax.value_and_grad(fun, argnums, has_aux, **options)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        accumulation = _ACTIVE.get()
+        if accumulation is None:
+            return plain(*args, **kwargs)
+        return accumulation.value_and_grad(fun, argnums, has_aux, options, args, kwargs)
+    return wrapped
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+         **options: Any) -> Callable:
+    """`jax.grad`, accumulated over microbatches as `value_and_grad` is."""
+    both = value_and_grad(fun, argnums, has_aux, **options)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+    return wrapped
+
+
+def check_microbatches(microbatches: int) -> None:
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise AutoparError(f"microbatches={microbatches!r}: a positive int is needed (1: no "
+                           "gradient accumulation).")
+
+
+def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int]) -> Callable:
+    """The step autopar traces: the call's, its gradient accumulated over `microbatches`."""
+    if microbatches == 1:
+        return call.step()
+    return accumulating(call.step(), microbatches,
+                        call.traced_positions(batch_argnums, "batch_argnums"))
+
+
+def accumulating(step: Callable, microbatches: int, batch: Sequence[int]) -> Callable:
+    """`step` (a function of its traced arguments) with its value_and_grad accumulated over
+    `microbatches`; `batch`: the positions of the arguments split into microbatches."""
+    @functools.wraps(step)  # the step's name and signature: its inputs' paths
+    def run(*args: Any) -> Any:
+        accumulation = _Accumulation(step, microbatches, tuple(batch), args)
+        token = _ACTIVE.set(accumulation)
+        try:
+            out = step(*args)
+        finally:
+            _ACTIVE.reset(token)
+        if not accumulation.calls:
+            raise AutoparError(
+                f"microbatches={microbatches} accumulates the gradient of the step's loss, and "
+                "this step took its gradient with something autopar cannot see. Fix: use "
+                "autopar.value_and_grad (or autopar.grad) in place of jax.value_and_grad; "
+                "outside auto_parallel they are jax's own.")
+        return out
+    return run
+
+
+@dataclasses.dataclass
+class _Accumulation:
+    step: Callable
+    microbatches: int
+    batch: tuple[int, ...]
+    args: tuple
+    calls: int = 0
+    mode: str = "full"  # "probe": trace a microbatch's loss; "microbatch": run one
+    captured: Any = None
+    inside: Any = None  # in "microbatch" mode: (analysis, hoisted values, this microbatch's)
+
+    def value_and_grad(self, fun: Callable, argnums: int | Sequence[int], has_aux: bool,
+                       options: dict, args: tuple, kwargs: dict) -> Any:
+        loss = functools.partial(fun, **kwargs)
+        if self.mode == "probe":
+            self.captured = jax.make_jaxpr(loss)(*args)
+            raise _Captured
+        if self.mode == "microbatch":
+            self.captured = self._one_microbatch(loss, argnums, has_aux, options, args)
+            raise _Captured
+        self.calls += 1
+        if self.calls > 1:
+            raise AutoparError(
+                f"microbatches={self.microbatches} accumulates one loss per step, and this "
+                "step calls autopar.value_and_grad twice. Fix: add the losses into one "
+                "function and take one value_and_grad of it.")
+        full, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
+        analysis = Separability(full, self._probe(), self.microbatches, _diff_leaves(args, argnums))
+        hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
+        return self._loop(analysis, hoisted, randoms, out_shape, has_aux, argnums, args)
+
+    # -- the traces -------------------------------------------------------------------------
+    def _probe(self) -> Any:
+        """The loss's jaxpr at one microbatch: the step traced with a microbatch, to its
+        value_and_grad."""
+        sizes = self._sizes()
+
+        def probe(*args: Any) -> None:
+            try:
+                self.step(*args)
+            except _Captured:
+                return
+            raise AutoparError("the step's value_and_grad ran for the full batch and not for a "
+                               "microbatch. Fix: keep the batch's size out of Python control "
+                               "flow in the step.")
+
+        previous, self.mode = self.mode, "probe"
+        try:
+            jax.make_jaxpr(probe)(*[self._microbatch_shape(i, a, sizes)
+                                    for i, a in enumerate(self.args)])
+        finally:
+            self.mode = previous
+        return self.captured
+
+    def _sizes(self) -> tuple[int, int]:
+        """(batch size, microbatch size), checked."""
+        m = self.microbatches
+        leaves = [(i, x) for i in self.batch for x in jax.tree_util.tree_leaves(self.args[i])
+                  if jnp.ndim(x)]  # a scalar (a key, a flag) goes to every microbatch
+        sizes = {jnp.shape(x)[0] for _, x in leaves}
+        if len(sizes) != 1:
+            shapes = sorted({str(jnp.shape(x)) for _, x in leaves})
+            raise AutoparError(
+                f"microbatches={m} splits the batch arguments {list(self.batch)} along their "
+                f"first dimension, and their leaves have shapes {', '.join(shapes)}: not one "
+                "batch size. Fix: pass per-example arrays only in the batch (close over the "
+                "rest), or set batch_argnums.")
+        (size,) = sizes
+        if size % m:
+            raise AutoparError(f"microbatches={m} does not divide the batch of {size}. Fix: "
+                               f"use a divisor of {size}.")
+        return size, size // m
+
+    def _microbatch_shape(self, i: int, arg: Any, sizes: tuple[int, int]) -> Any:
+        def shape(x: Any) -> Any:
+            aval = jax.typeof(x)
+            if not aval.shape:
+                return x
+            return jax.ShapeDtypeStruct((sizes[1], *aval.shape[1:]), aval.dtype,
+                                        weak_type=aval.weak_type)
+        return jax.tree_util.tree_map(shape, arg) if i in self.batch else arg
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self, analysis: Separability, hoisted: dict, randoms: list, out_shape: Any,
+              has_aux: bool, argnums: int | Sequence[int], args: tuple) -> Any:
+        m = self.microbatches
+        size, _ = self._sizes()
+        split = [jax.tree_util.tree_map(lambda x: _strided(x, m) if jnp.ndim(x) else
+                                        jnp.broadcast_to(x, (m, *jnp.shape(x))), self.args[i])
+                 for i in self.batch]
+        random_xs = [_strided_dim(v, dim, size, m) for v, dim in randoms]
+
+        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
+            batch_j, randoms_j = xs
+            args_j = list(self.args)
+            for i, b in zip(self.batch, batch_j):
+                args_j[i] = b
+            previous, self.mode = self.mode, "microbatch"
+            self.inside = (analysis, hoisted, [jnp.moveaxis(r, 0, dim)
+                                               for r, (_, dim) in zip(randoms_j, randoms)])
+            try:
+                self.step(*args_j)
+            except _Captured:
+                pass
+            else:
+                raise AutoparError("the step's value_and_grad did not run for a microbatch.")
+            finally:
+                self.mode = previous
+            (summed, grads), examples = self.captured
+            carry = jax.tree_util.tree_map(jnp.add, carry, (summed, grads))
+            return carry, examples
+
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                       self._summed_shape(analysis, out_shape, argnums, args))
+        (summed, grads), examples = jax.lax.scan(body, zeros, (split, random_xs))
+        value = analysis.outputs(summed, [_unstrided(e, size) for e in examples])
+        value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), value)
+        return value, grads
+
+    def _summed_shape(self, analysis: Separability, out_shape: Any,
+                      argnums: int | Sequence[int], args: tuple) -> Any:
+        outs = jax.tree_util.tree_leaves(out_shape)
+        summed = [o for o, kind in zip(outs, analysis.out_kinds) if kind != "example"]
+        return summed, _grads_shape(args, argnums)
+
+    def _one_microbatch(self, loss: Callable, argnums: int | Sequence[int], has_aux: bool,
+                        options: dict, args: tuple) -> Any:
+        """This microbatch's summed outputs (loss, and aux sums), gradients and per-example
+        outputs, as the analysis says to compute them."""
+        analysis, hoisted, randoms = self.inside
+        closed = jax.make_jaxpr(loss)(*args)
+        flat, tree = jax.tree_util.tree_flatten(args)
+        diff = analysis.diff_leaves
+
+        def summed_loss(*diff_values: Any) -> Any:
+            leaves = list(flat)
+            for k, v in zip(diff, diff_values):
+                leaves[k] = v
+            outs = evaluate(analysis, closed, leaves, hoisted, randoms)
+            summed, examples = analysis.split_outputs(outs)
+            return summed[0], (summed, examples)
+
+        (_, (summed, examples)), grads = jax.value_and_grad(
+            summed_loss, argnums=tuple(range(len(diff))), has_aux=True, **options)(
+            *[flat[k] for k in diff])
+        return (summed, _regroup(grads, args, argnums)), examples
+
+
+def _diff_leaves(args: tuple, argnums: int | Sequence[int]) -> list[int]:
+    """The flat positions of the differentiated arguments' leaves."""
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    out, offset = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in nums:
+            out += range(offset, offset + n)
+        offset += n
+    return out
+
+
+def _grads_shape(args: tuple, argnums: int | Sequence[int]) -> Any:
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
+                                                                   jnp.result_type(x)), args)
+    if isinstance(argnums, int):
+        return shapes[argnums]
+    return tuple(shapes[i] for i in argnums)
+
+
+def _regroup(grads: Sequence[Any], args: tuple, argnums: int | Sequence[int]) -> Any:
+    """Flat gradients back in the differentiated arguments' trees (jax.grad's layout)."""
+    nums = [argnums] if isinstance(argnums, int) else list(argnums)
+    out, k = [], 0
+    for i in nums:
+        leaves, tree = jax.tree_util.tree_flatten(args[i])
+        out.append(jax.tree_util.tree_unflatten(tree, grads[k:k + len(leaves)]))
+        k += len(leaves)
+    return out[0] if isinstance(argnums, int) else tuple(out)
+
+
+def _strided(x: Any, m: int) -> Any:
+    """[B, ...] -> [M, B/M, ...], microbatch j holding the examples j, j+M, ..."""
+    return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
+
+
+def _unstrided(x: Any, size: int) -> Any:
+    """[M, B/M, ...] -> [B, ...], inverting `_strided`."""
+    return jnp.reshape(jnp.swapaxes(x, 0, 1), (size, *x.shape[2:]))
+
+
+def _strided_dim(v: Any, dim: int, size: int, m: int) -> Any:
+    """A per-example value whose dimension `dim` holds the batch (maybe merged with an inner
+    dimension: B * k) as [M, B/M * k, ...] with that dimension first."""
+    v = jnp.moveaxis(v, dim, 0)
+    k = v.shape[0] // size
+    v = jnp.reshape(v, (size // m, m, k, *v.shape[1:]))
+    return jnp.reshape(jnp.swapaxes(v, 0, 1), (m, (size // m) * k, *v.shape[3:]))

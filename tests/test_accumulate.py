@@ -1,0 +1,182 @@
+"""Gradient accumulation (microbatches=M): equal to the full batch's step, masked and
+token-weighted losses and dropout included; losses that are no sum over microbatches refused."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import optax
+import pytest
+from helpers import check_against_single_device
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar.cost.hlo import compiled_memory_bytes
+
+
+def linen_step(model, loss, tx):
+    """The usual step, with autopar's value_and_grad (jax's own outside auto_parallel)."""
+    return models.linen_step(model, loss, tx, autopar.value_and_grad)
+
+
+def test_outside_auto_parallel_it_is_jax():
+    def f(w, x, y):
+        err = (x @ w - y) ** 2
+        return err.mean(), err.sum(-1)
+
+    k = jax.random.split(jax.random.key(0), 3)
+    w, x, y = (jax.random.normal(k[0], (3, 2)), jax.random.normal(k[1], (5, 3)),
+               jax.random.normal(k[2], (5, 2)))
+    for transform in (lambda g: g, jax.jit):
+        ours = transform(autopar.value_and_grad(f, argnums=(0, 1), has_aux=True))(w, x, y)
+        theirs = transform(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(w, x, y)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, ours, theirs)
+    np.testing.assert_array_equal(autopar.grad(lambda w: f(w, x, y)[0])(w),
+                                  jax.grad(lambda w: f(w, x, y)[0])(w))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_gpt_accumulated_equals_the_full_batch(microbatches):
+    _, state, batch = models.gpt_setup(batch=8, seq=16, vocab=64, d_model=32, heads=4, layers=2)
+    model = models.GPT(vocab=64, d_model=32, heads=4, layers=2)
+    step = linen_step(model, models.token_loss, optax.adamw(1e-3))
+    mesh = autopar.make_mesh({"data": 2, "model": 4})
+    plan = check_against_single_device(step, state, batch, mesh, donate_argnums=0,
+                                       microbatches=microbatches)
+    assert plan.microbatches == microbatches
+    assert autopar.Plan.from_json(plan.to_json()).microbatches == microbatches
+    assert ("accumulated over" in plan.summary()) == (microbatches > 1)
+
+
+def masked_step(tx, rate=0.0):
+    """A token-weighted loss over a mask, an L2 penalty and a per-example mean, with dropout
+    drawn from a key passed beside the batch: the full batch's normalisers differ from every
+    microbatch's."""
+    def loss_fn(params, batch, key):
+        hidden = jnp.tanh(batch["x"] @ params["w1"])
+        if rate:
+            hidden = jnp.where(jax.random.bernoulli(key, 1 - rate, hidden.shape),
+                               hidden / (1 - rate), 0.0)
+        err = ((hidden @ params["w2"] - batch["y"]) ** 2).sum(-1)
+        mask = batch["mask"]
+        return ((err * mask).sum() / mask.sum() + 0.01 * (params["w1"] ** 2).sum()
+                + 0.5 * err.mean()), err
+
+    def step(state, batch, key):
+        params, opt_state = state
+        (loss, per_example), grads = autopar.value_and_grad(loss_fn, has_aux=True)(
+            params, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return ((optax.apply_updates(params, updates), opt_state),
+                (loss, per_example.sum() / 100.0))
+    return step
+
+
+def masked_setup(batch=32):
+    k = jax.random.split(jax.random.key(1), 5)
+    params = {"w1": jax.random.normal(k[0], (8, 16)) / 3, "w2": jax.random.normal(k[1], (16, 4))}
+    tx = optax.adam(1e-2)
+    data = {"x": jax.random.normal(k[2], (batch, 8)), "y": jax.random.normal(k[3], (batch, 4)),
+            "mask": (jax.random.uniform(k[4], (batch,)) > 0.4).astype(jnp.float32)}
+    return tx, (params, tx.init(params)), data
+
+
+@pytest.mark.parametrize("microbatches,rate", [(2, 0.0), (4, 0.0), (4, 0.25)])
+def test_masked_token_weighted_loss_with_dropout(microbatches, rate):
+    tx, state, data = masked_setup()
+    step = masked_step(tx, rate)
+    key = jax.random.key(7)
+    reference = jax.jit(step)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}),
+                                    microbatches=microbatches, batch_argnums=1)
+    ref_state, (ref_loss, ref_total) = reference(state, data, key)
+    new_state, (loss, total) = sharded(state, data, key)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(total), float(ref_total), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(ref_state[0]),
+                    jax.tree_util.tree_leaves(new_state[0])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    # a saved plan accumulates as it says
+    saved = autopar.Plan.from_json(sharded.plan(state, data, key).to_json())
+    reused = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), plan=saved,
+                                   batch_argnums=1)
+    np.testing.assert_allclose(float(reused(state, data, key)[1][0]), float(ref_loss), rtol=1e-5)
+    assert reused.plan(state, data, key).microbatches == microbatches
+
+
+def test_the_gradient_loop_runs_once_per_microbatch_in_one_program():
+    tx, state, data = masked_setup()
+    sharded = autopar.auto_parallel(masked_step(tx), mesh=autopar.make_mesh({"data": 8}),
+                                    microbatches=4, batch_argnums=1)
+    text = sharded.lower(state, data, jax.random.key(0)).as_text()
+    assert text.count("stablehlo.while") == 1
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        return nn.BatchNorm(use_running_average=False)(x).sum(-1)
+
+
+def test_batch_statistics_and_in_batch_negatives_are_refused():
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    net = BatchNormNet()
+    variables = net.init(jax.random.key(1), x)
+
+    def batch_norm_step(params, x):
+        def loss_fn(p):
+            out, _ = net.apply({"params": p, "batch_stats": variables["batch_stats"]}, x,
+                               mutable=["batch_stats"])
+            return (out ** 2).mean()
+        return autopar.value_and_grad(loss_fn)(params)
+
+    def negatives_step(w, x):
+        def loss_fn(w):
+            q = x @ w
+            return jax.nn.logsumexp(q @ q.T, axis=-1).mean()
+        return autopar.value_and_grad(loss_fn)(w)
+
+    mesh = autopar.make_mesh({"data": 8})
+    with pytest.raises(autopar.AutoparError, match="batch statistic"):
+        autopar.auto_parallel(batch_norm_step, mesh=mesh, microbatches=2)(
+            variables["params"], x)
+    with pytest.raises(autopar.AutoparError, match="pairs examples"):
+        autopar.auto_parallel(negatives_step, mesh=mesh, microbatches=2)(jnp.ones((4, 3)), x)
+    # the same steps run without microbatches
+    autopar.auto_parallel(negatives_step, mesh=mesh)(jnp.ones((4, 3)), x)
+
+
+def test_clear_errors_for_what_cannot_be_accumulated():
+    step, state, batch = models.mlp_setup(batch=12)  # jax.value_and_grad: autopar cannot see it
+    mesh = autopar.make_mesh({"data": 2, "model": 4})
+    with pytest.raises(autopar.AutoparError, match="autopar.value_and_grad"):
+        autopar.plan(step, state, batch, mesh=mesh, microbatches=2)
+    ours = linen_step(models.MLP(), models.mse, optax.adamw(1e-3))
+    with pytest.raises(autopar.AutoparError, match="does not divide the batch of 12"):
+        autopar.plan(ours, state, batch, mesh=mesh, microbatches=5)
+    with pytest.raises(autopar.AutoparError, match="positive int"):
+        autopar.plan(ours, state, batch, mesh=mesh, microbatches=0)
+    plan = autopar.plan(ours, state, batch, mesh=mesh, microbatches=3)
+    assert plan.microbatches == 3
+
+
+def test_annotations_by_name_apply_and_the_estimate_sees_the_loop():
+    """The batch's paths keep the step's parameter names under microbatches, and the memory
+    estimate counts the loop's values (without reuse: above the compiled step's, and falling
+    with M as the compiled step's does)."""
+    cfg = dict(vocab=128, d_model=64, heads=4, layers=2)
+    _, state, batch = models.gpt_setup(batch=32, seq=64, **cfg)
+    step = linen_step(models.GPT(**cfg), models.token_loss, optax.adamw(1e-3))
+    estimated, compiled = {}, {}
+    for m in (1, 4):
+        sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}),
+                                        donate_argnums=0, microbatches=m,
+                                        search="sharding_propagation",
+                                        annotations={r"^batch/": P("data")})
+        plan = sharded.plan(state, batch)
+        assert plan.specs["batch/inputs"] == P("data")
+        estimated[m] = plan.cost["peak_memory_bytes"]
+        compiled[m] = compiled_memory_bytes(sharded.lower(state, batch).compile())
+    assert compiled[4] < compiled[1] and estimated[4] < estimated[1]
+    assert compiled[4] <= estimated[4] <= 2 * compiled[4], (estimated, compiled)
