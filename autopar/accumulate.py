@@ -23,15 +23,16 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from autopar.calling import Call
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, MemoryLimitError
 from autopar.separable import Separability, evaluate, hoisted_values
 
+T = TypeVar("T")
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
     "autopar_accumulation", default=None)
 
@@ -68,10 +69,48 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return wrapped
 
 
-def check_microbatches(microbatches: int) -> None:
+def check_microbatches(microbatches: int | str) -> None:
+    if microbatches == "auto":
+        return
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise AutoparError(f"microbatches={microbatches!r}: a positive int is needed (1: no "
-                           "gradient accumulation).")
+                           "gradient accumulation), or 'auto' (the fewest that fit "
+                           "memory_limit).")
+
+
+def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call: Call,
+                   batch_argnums: int | Sequence[int]) -> tuple[T, list[int]]:
+    """`plan_with(M)` for the M asked, and the counts tried. For "auto": the fewest
+    microbatches whose plan fits the memory limit, 1 first, then a bisection over the batch
+    size's divisors (fewer microbatches fit less: a plan that fits with M fits with more).
+    Each count traces the step again."""
+    if microbatches != "auto":
+        return plan_with(microbatches), [microbatches]
+    tried = [1]
+    try:
+        return plan_with(1), tried
+    except MemoryLimitError as e:
+        alone = unfit = e
+    positions = call.traced_positions(batch_argnums, "batch_argnums")
+    size = _batch_size(call.abstract(), positions, 1)
+    counts = [m for m in range(2, size + 1) if size % m == 0]
+    best, refused, lo, hi = None, None, 0, len(counts) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tried.append(counts[mid])
+        try:
+            best, hi = plan_with(counts[mid]), mid - 1
+        except MemoryLimitError as e:
+            unfit, lo = e, mid + 1
+        except AutoparError as e:  # not accumulated over so many: a microbatch of one
+            refused, hi = e, mid - 1  # example may change the loss's code; try fewer
+    if best is not None:
+        return best, tried
+    if unfit is alone and refused is not None:
+        raise AutoparError(f"microbatches='auto': the step does not fit in one batch ({alone}), "
+                           f"and accumulating it over microbatches fails: {refused}") from refused
+    raise MemoryLimitError(f"microbatches='auto': no count of microbatches fits (tried {tried}). "
+                           f"With the most that could be planned: {unfit}") from unfit
 
 
 def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int]) -> Callable:
@@ -159,22 +198,8 @@ class _Accumulation:
 
     def _sizes(self) -> tuple[int, int]:
         """(batch size, microbatch size), checked."""
-        m = self.microbatches
-        leaves = [(i, x) for i in self.batch for x in jax.tree_util.tree_leaves(self.args[i])
-                  if jnp.ndim(x)]  # a scalar (a key, a flag) goes to every microbatch
-        sizes = {jnp.shape(x)[0] for _, x in leaves}
-        if len(sizes) != 1:
-            shapes = sorted({str(jnp.shape(x)) for _, x in leaves})
-            raise AutoparError(
-                f"microbatches={m} splits the batch arguments {list(self.batch)} along their "
-                f"first dimension, and their leaves have shapes {', '.join(shapes)}: not one "
-                "batch size. Fix: pass per-example arrays only in the batch (close over the "
-                "rest), or set batch_argnums.")
-        (size,) = sizes
-        if size % m:
-            raise AutoparError(f"microbatches={m} does not divide the batch of {size}. Fix: "
-                               f"use a divisor of {size}.")
-        return size, size // m
+        size = _batch_size(self.args, self.batch, self.microbatches)
+        return size, size // self.microbatches
 
     def _microbatch_shape(self, i: int, arg: Any, sizes: tuple[int, int]) -> Any:
         def shape(x: Any) -> Any:
@@ -249,6 +274,26 @@ class _Accumulation:
             summed_loss, argnums=tuple(range(len(diff))), has_aux=True, **options)(
             *[flat[k] for k in diff])
         return (summed, _regroup(grads, args, argnums)), examples
+
+
+def _batch_size(args: Sequence[Any], batch: Sequence[int], m: int) -> int:
+    """The batch arguments' one batch size (their leaves' first dimension), checked to be one
+    and divisible by `m`."""
+    leaves = [x for i in batch for x in jax.tree_util.tree_leaves(args[i])
+              if jnp.ndim(x)]  # a scalar (a key, a flag) goes to every microbatch
+    sizes = {jnp.shape(x)[0] for x in leaves}
+    if len(sizes) != 1:
+        shapes = sorted({str(jnp.shape(x)) for x in leaves})
+        raise AutoparError(
+            f"microbatches={m} splits the batch arguments {list(batch)} along their first "
+            f"dimension, and their leaves have shapes {', '.join(shapes) or 'none'}: not one "
+            "batch size. Fix: pass per-example arrays only in the batch (close over the "
+            "rest), or set batch_argnums.")
+    (size,) = sizes
+    if size % m:
+        raise AutoparError(f"microbatches={m} does not divide the batch of {size}. Fix: use "
+                           f"a divisor of {size}.")
+    return size
 
 
 def _diff_leaves(args: tuple, argnums: int | Sequence[int]) -> list[int]:

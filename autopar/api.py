@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.accumulate import check_microbatches, step_of
+from autopar.accumulate import check_microbatches, fewest_fitting, step_of
 from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
@@ -41,7 +41,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          hardware: str | Hardware | None = None, annotations: Annotations = None,
          memory_limit: int | str | None = None, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-         donate_argnames: str | Sequence[str] = (), microbatches: int = 1,
+         donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
          batch_argnums: int | Sequence[int] = -1) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
@@ -65,11 +65,31 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
                                    donate_argnames), args, {})
     hw = get_profile(hardware)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
+    platform = compiler_platform(mesh, hw)
+
+    def traced(step: Callable, microbatches: int) -> Planning:
+        return Planning.traced(step, call.abstract(), hw, search, annotations, call.donated,
+                               platform, microbatches)
+
     with young_objects_only():
-        planning = Planning.traced(step_of(call, microbatches, batch_argnums), call.abstract(),
-                                   hw, search, annotations, call.donated,
-                                   compiler_platform(mesh, hw), microbatches)
-        return planning.plan(_mesh_or_count(mesh), limit)[1]
+        return _planned_within(call, microbatches, batch_argnums, traced,
+                               _mesh_or_count(mesh), limit)[2]
+
+
+def _planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
+                    traced: Callable[[Callable, int], Planning], shape: MeshShape | int,
+                    limit: int | None) -> tuple[Planning, Decisions, Plan]:
+    """The traced step and its plan within `limit`: with the microbatches asked, or with the
+    fewest that fit ("auto"), the counts tried recorded in the plan's search_stats."""
+    def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
+        planning = traced(step_of(call, m, batch_argnums), m)
+        return planning, planning.plan(shape, limit)
+
+    (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
+                                                       batch_argnums)
+    if len(tried) > 1:
+        p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
+    return planning, decisions, p
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -115,7 +135,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                   static_argnums: int | Sequence[int] = (),
                   static_argnames: str | Sequence[str] = (),
                   donate_argnums: int | Sequence[int] = (),
-                  donate_argnames: str | Sequence[str] = (), microbatches: int = 1,
+                  donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
                   batch_argnums: int | Sequence[int] = -1) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
@@ -145,6 +165,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     step runs once. The sums equal the full batch's, masked and token-weighted losses
     included; a loss that is not a sum over microbatches (batch statistics, in-batch
     negatives) is refused with the operation that makes it so (autopar/accumulate.py).
+    `microbatches="auto"`: the fewest microbatches whose plan fits `memory_limit`.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
@@ -211,12 +232,12 @@ class AutoParallel:
     def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
                  saved: Plan | None, annotations: Annotations = None,
                  memory_limit: int | None = None, conventions: Conventions | None = None,
-                 microbatches: int = 1, batch_argnums: int | Sequence[int] = -1) -> None:
+                 microbatches: int | str = 1, batch_argnums: int | Sequence[int] = -1) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
-        if saved is not None and saved.microbatches > 1:
-            if microbatches not in (1, saved.microbatches):
+        if saved is not None and (saved.microbatches > 1 or microbatches == "auto"):
+            if microbatches not in (1, "auto", saved.microbatches):
                 raise AutoparError(f"the saved plan accumulates over {saved.microbatches} "
                                    f"microbatches, and microbatches={microbatches} was asked. "
                                    "Fix: drop microbatches= to apply the plan as saved.")
@@ -270,17 +291,19 @@ class AutoParallel:
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        planning = Planning.traced(self._step(call), call.abstract(), self.hw, self.search,
-                                   self.annotations, call.donated, self.platform,
-                                   self.microbatches)
+        def traced(step: Callable, microbatches: int) -> Planning:
+            return Planning.traced(step, call.abstract(), self.hw, self.search,
+                                   self.annotations, call.donated, self.platform, microbatches)
+
         limit = self.memory_limit
+        planning, decisions, p = _planned_within(call, self.microbatches, self.batch_argnums,
+                                                 traced, shape, limit)
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
             try:
-                decisions, p = planning.plan(shape, limit)
+                if check:
+                    decisions, p = planning.plan(shape, limit)
             except AutoparError as e:
-                if not check:
-                    raise
                 raise AutoparError(
                     f"the plan estimated to fit memory_limit={mib(self.memory_limit)} compiled "
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "

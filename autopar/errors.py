@@ -10,6 +10,11 @@ class AutoparError(Exception):
     """
 
 
+class MemoryLimitError(AutoparError):
+    """No plan fits the memory limit on the mesh: what `microbatches="auto"` answers with more
+    microbatches."""
+
+
 def collect_errors(problems: list[str], headline: str) -> None:
     """Raise one AutoparError listing every problem, if there are any."""
     if problems:

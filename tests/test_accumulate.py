@@ -180,3 +180,25 @@ def test_annotations_by_name_apply_and_the_estimate_sees_the_loop():
         compiled[m] = compiled_memory_bytes(sharded.lower(state, batch).compile())
     assert compiled[4] < compiled[1] and estimated[4] < estimated[1]
     assert compiled[4] <= estimated[4] <= 2 * compiled[4], (estimated, compiled)
+
+
+def test_auto_takes_the_fewest_microbatches_that_fit_the_memory_limit():
+    """With memory_limit below the leanest one-batch plan (recomputation included),
+    microbatches="auto" accumulates over the fewest microbatches that fit: it compiles within
+    the limit and trains as one device does. Without a binding limit it takes one."""
+    cfg = dict(vocab=128, d_model=64, heads=4, layers=2)
+    _, state, batch = models.gpt_setup(batch=32, seq=64, **cfg)
+    step = linen_step(models.GPT(**cfg), models.token_loss, optax.adamw(1e-3))
+    mesh = autopar.make_mesh({"data": 8})
+    limit = 3 * 2**20
+    with pytest.raises(autopar.AutoparError, match="no plan fits"):
+        autopar.plan(step, state, batch, mesh=mesh, donate_argnums=0, memory_limit=limit)
+    plan = check_against_single_device(step, state, batch, mesh, donate_argnums=0,
+                                       microbatches="auto", memory_limit=limit)
+    assert plan.microbatches > 1 and plan.search_stats["microbatches_tried"][0] == 1
+    sharded = autopar.auto_parallel(step, mesh=mesh, donate_argnums=0, microbatches="auto",
+                                    memory_limit=limit)
+    assert compiled_memory_bytes(sharded.lower(state, batch).compile()) <= limit
+    assert autopar.plan(step, state, batch, mesh=mesh, microbatches="auto").microbatches == 1
+    with pytest.raises(autopar.AutoparError, match="no count of microbatches fits"):
+        autopar.plan(step, state, batch, mesh=mesh, microbatches="auto", memory_limit=2**16)

@@ -31,7 +31,7 @@ from autopar.cost.liveness import mib
 from autopar.cost.memory import kept_bytes, plan_memory
 from autopar.cost.model import shard_bytes
 from autopar.cost.xla import BufferModel
-from autopar.errors import AutoparError
+from autopar.errors import MemoryLimitError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions
 from autopar.planning.assemble import Candidate
@@ -174,15 +174,17 @@ def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
     return first(hi)
 
 
-def nothing_fits(lean: Candidate, limit: int, graph: OpGraph, mesh: MeshShape) -> AutoparError:
+def nothing_fits(lean: Candidate, limit: int, graph: OpGraph, mesh: MeshShape
+                 ) -> MemoryLimitError:
     """The error for a budget no plan meets: the least memory found, and what fills it."""
     m = lean.memory
     kinds = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in m.at_peak.items() if v)
     largest = "; ".join(f"{what} {mib(b)}" for what, b in m.largest)
     layers = recomputed_layers(graph, lean.decisions.recompute)
     recomputed = f" with {len(layers)} layer(s) recomputed" if layers else ""
-    return AutoparError(
+    return MemoryLimitError(
         f"no plan fits memory_limit={mib(limit)} per device on mesh {mesh}. The leanest plan "
         f"found{recomputed} needs {mib(m.peak_bytes)} per device, at {m.where}: {kinds}. "
         f"Largest buffers then: {largest}. Fix: allow at least {mib(m.peak_bytes)} "
-        "(memory_limit=), use more devices, a smaller batch, or smaller dtypes.")
+        "(memory_limit=), use more devices, a smaller batch, gradient accumulation "
+        "(microbatches=), or smaller dtypes.")
