@@ -78,6 +78,23 @@ def check_microbatches(microbatches: int | str) -> None:
                            "memory_limit).")
 
 
+def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
+                   traced: Callable[[Callable, int], Any], shape: Any, limit: int | None
+                   ) -> tuple[Any, Any, Any]:
+    """(Planning, Decisions, Plan): the step traced by `traced(step, M)` and planned on `shape`
+    within `limit`, with the microbatches asked, or with the fewest that fit ("auto"), the
+    counts tried recorded in the plan's search_stats."""
+    def plan_with(m: int) -> tuple[Any, Any]:
+        planning = traced(step_of(call, m, batch_argnums), m)
+        return planning, planning.plan(shape, limit)
+
+    (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
+                                                       batch_argnums)
+    if len(tried) > 1:
+        p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
+    return planning, decisions, p
+
+
 def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call: Call,
                    batch_argnums: int | Sequence[int]) -> tuple[T, list[int]]:
     """`plan_with(M)` for the M asked, and the counts tried. For "auto": the fewest

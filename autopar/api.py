@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.accumulate import check_microbatches, fewest_fitting, step_of
+from autopar.accumulate import check_microbatches, planned_within, step_of
 from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
@@ -72,24 +72,8 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
                                platform, microbatches)
 
     with young_objects_only():
-        return _planned_within(call, microbatches, batch_argnums, traced,
+        return planned_within(call, microbatches, batch_argnums, traced,
                                _mesh_or_count(mesh), limit)[2]
-
-
-def _planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                    traced: Callable[[Callable, int], Planning], shape: MeshShape | int,
-                    limit: int | None) -> tuple[Planning, Decisions, Plan]:
-    """The traced step and its plan within `limit`: with the microbatches asked, or with the
-    fewest that fit ("auto"), the counts tried recorded in the plan's search_stats."""
-    def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
-        planning = traced(step_of(call, m, batch_argnums), m)
-        return planning, planning.plan(shape, limit)
-
-    (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
-                                                       batch_argnums)
-    if len(tried) > 1:
-        p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
-    return planning, decisions, p
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -296,7 +280,7 @@ class AutoParallel:
                                    self.annotations, call.donated, self.platform, microbatches)
 
         limit = self.memory_limit
-        planning, decisions, p = _planned_within(call, self.microbatches, self.batch_argnums,
+        planning, decisions, p = planned_within(call, self.microbatches, self.batch_argnums,
                                                  traced, shape, limit)
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):

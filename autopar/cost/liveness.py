@@ -371,7 +371,8 @@ class _Walk:
         if b.how == "input":
             return path or f"input {b.tensor}"
         if b.how == "loop":
-            return f"the values inside {_name(program[self.producer_step[b.tensor]], self.producer_step[b.tensor])}"
+            i = self.producer_step[b.tensor]
+            return f"the values inside {_name(program[i], i)}"
         if b.how == "copied":
             return f"{path or f'input {b.tensor}'} (copied before its update)"
         if b.how in ("resharding", "transposing"):
