@@ -99,7 +99,7 @@ def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call:
                    batch_argnums: int | Sequence[int]) -> tuple[T, list[int]]:
     """`plan_with(M)` for the M asked, and the counts tried. For "auto": the fewest
     microbatches whose plan fits the memory limit, 1 first, then a bisection over the batch
-    size's divisors (fewer microbatches fit less: a plan that fits with M fits with more).
+    size's divisors, assuming that a count that fits leaves every larger count fitting.
     Each count traces the step again."""
     if microbatches != "auto":
         return plan_with(microbatches), [microbatches]
@@ -177,7 +177,7 @@ class _Accumulation:
             self.captured = jax.make_jaxpr(loss)(*args)
             raise _Captured
         if self.mode == "microbatch":
-            self.captured = self._one_microbatch(loss, argnums, has_aux, options, args)
+            self.captured = self._one_microbatch(loss, argnums, options, args)
             raise _Captured
         self.calls += 1
         if self.calls > 1:
@@ -188,7 +188,7 @@ class _Accumulation:
         full, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
         analysis = Separability(full, self._probe(), self.microbatches, _diff_leaves(args, argnums))
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
-        return self._loop(analysis, hoisted, randoms, out_shape, has_aux, argnums, args)
+        return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
 
     # -- the traces -------------------------------------------------------------------------
     def _probe(self) -> Any:
@@ -229,7 +229,7 @@ class _Accumulation:
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self, analysis: Separability, hoisted: dict, randoms: list, out_shape: Any,
-              has_aux: bool, argnums: int | Sequence[int], args: tuple) -> Any:
+              argnums: int | Sequence[int], args: tuple) -> Any:
         m = self.microbatches
         size, _ = self._sizes()
         split = [jax.tree_util.tree_map(lambda x: _strided(x, m) if jnp.ndim(x) else
@@ -270,8 +270,8 @@ class _Accumulation:
         summed = [o for o, kind in zip(outs, analysis.out_kinds) if kind != "example"]
         return summed, _grads_shape(args, argnums)
 
-    def _one_microbatch(self, loss: Callable, argnums: int | Sequence[int], has_aux: bool,
-                        options: dict, args: tuple) -> Any:
+    def _one_microbatch(self, loss: Callable, argnums: int | Sequence[int], options: dict,
+                        args: tuple) -> Any:
         """This microbatch's summed outputs (loss, and aux sums), gradients and per-example
         outputs, as the analysis says to compute them."""
         analysis, hoisted, randoms = self.inside

@@ -14,7 +14,7 @@ from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.hlo import compiled_memory_bytes
-from autopar.cost.liveness import mib
+from autopar.cost.estimate import mib
 from autopar.cost.memory import parse_bytes
 from autopar.cost.xla import buffer_model
 from autopar.errors import AutoparError

@@ -16,7 +16,7 @@ import models
 
 import autopar
 from autopar.cost.hlo import compiled_memory_bytes
-from autopar.cost.liveness import mib
+from autopar.cost.estimate import mib
 from autopar.errors import AutoparError
 
 # Links slow against compute: unconstrained, the search keeps the state replicated (plain data

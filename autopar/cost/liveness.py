@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from autopar.cost.estimate import KINDS, Buffer, MemoryEstimate
 from autopar.cost.model import shard_bytes, value_facts
 from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
@@ -16,48 +17,12 @@ from autopar.trace.ir import OpGraph, Step
 
 # the tracer's markers of a loop's carries and slices: views of the loop's own buffers
 LOOP_MARKS = frozenset({"scan_carry", "scan_slice", "scan_carry_out", "scan_stack"})
-KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
-         "temporaries")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per device: the peak, what is live then by kind, and the largest buffers then."""
-
-    peak_bytes: int
-    at_peak: dict[str, int]
-    where: str  # the operator at which the peak occurs
-    largest: tuple[tuple[str, int], ...]  # (what, bytes), largest first
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in self.at_peak.items() if v)
-        return f"{mib(self.peak_bytes)} per device at {self.where} ({parts})"
-
-
-def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.2f} MiB"
 
 
 def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
     """The returned state that keeps its input's sharding: written into the donated input."""
     return {graph.outputs[o] for o, i in graph.donated_pairs.items()
             if specs.get(graph.outputs[o]) == specs.get(graph.inputs[i])}
-
-
-@dataclass(frozen=True)
-class Buffer:
-    """A buffer of the walk: live from time `first` to `last` (inclusive), `nbytes` of `kind`,
-    holding tensor `tensor` as `how` says: "" the value itself, "recomputed" its
-    recomputation, "resharding" or "transposing" it for program step `step`, "copied" a
-    donated input copied before its update, "input" an argument."""
-
-    first: int
-    last: int
-    kind: str
-    nbytes: int
-    tensor: int
-    how: str = ""
-    step: int = -1
 
 
 def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape, model: BufferModel,

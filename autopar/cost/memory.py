@@ -32,7 +32,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from autopar.cost.liveness import MemoryEstimate, estimate
+from autopar.cost.estimate import MemoryEstimate
+from autopar.cost.liveness import estimate
 from autopar.cost.model import group_size, partial_split, shard_bytes
 from autopar.cost.xla.buffers import BufferModel
 from autopar.errors import AutoparError

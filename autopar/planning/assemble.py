@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from autopar.cost.hardware import Hardware
-from autopar.cost.liveness import MemoryEstimate
+from autopar.cost.estimate import MemoryEstimate
 from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
                                 reshard_time, shard_bytes, value_facts)

@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from autopar.cost.liveness import mib
+from autopar.cost.estimate import mib
 from autopar.cost.memory import kept_bytes, plan_memory
 from autopar.cost.model import shard_bytes
 from autopar.cost.xla import BufferModel
