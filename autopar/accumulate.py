@@ -17,22 +17,29 @@ is refused with the operation that makes it so.
 
 Microbatch j holds the examples j, j+M, j+2M, ...: with the batch split over devices along its
 first dimension, each device keeps its own share of every microbatch.
+
+Reduced once. A sum over a split batch is a partial sum on each device, and a loop carry has one
+sharding, so XLA all-reduces the gradient in every iteration (M collectives of the gradient's
+size, where one would do). With `groups=G` each microbatch is computed as G shares side by side
+(vmapped), share g holding the examples that the g-th of G device groups along the batch's axes
+keeps; the loop carries one sum per share ([G, ...], split like the batch), which needs no
+collective, and the shares are added once after the loop. G comes from a plan made first
+without groups: the product of the mesh axes that split its batch (`microbatching.py`).
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from autopar.calling import Call
-from autopar.errors import AutoparError, MemoryLimitError
+from autopar.errors import AutoparError
 from autopar.separable import Separability, evaluate, hoisted_values
 
-T = TypeVar("T")
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
     "autopar_accumulation", default=None)
 
@@ -69,81 +76,24 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return wrapped
 
 
-def check_microbatches(microbatches: int | str) -> None:
-    if microbatches == "auto":
-        return
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise AutoparError(f"microbatches={microbatches!r}: a positive int is needed (1: no "
-                           "gradient accumulation), or 'auto' (the fewest that fit "
-                           "memory_limit).")
-
-
-def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                   traced: Callable[[Callable, int], Any], shape: Any, limit: int | None
-                   ) -> tuple[Any, Any, Any]:
-    """(Planning, Decisions, Plan): the step traced by `traced(step, M)` and planned on `shape`
-    within `limit`, with the microbatches asked, or with the fewest that fit ("auto"), the
-    counts tried recorded in the plan's search_stats."""
-    def plan_with(m: int) -> tuple[Any, Any]:
-        planning = traced(step_of(call, m, batch_argnums), m)
-        return planning, planning.plan(shape, limit)
-
-    (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
-                                                       batch_argnums)
-    if len(tried) > 1:
-        p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
-    return planning, decisions, p
-
-
-def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call: Call,
-                   batch_argnums: int | Sequence[int]) -> tuple[T, list[int]]:
-    """`plan_with(M)` for the M asked, and the counts tried. For "auto": the fewest
-    microbatches whose plan fits the memory limit, 1 first, then a bisection over the batch
-    size's divisors, assuming that a count that fits leaves every larger count fitting.
-    Each count traces the step again."""
-    if microbatches != "auto":
-        return plan_with(microbatches), [microbatches]
-    tried = [1]
-    try:
-        return plan_with(1), tried
-    except MemoryLimitError as e:
-        alone = unfit = e
-    positions = call.traced_positions(batch_argnums, "batch_argnums")
-    size = _batch_size(call.abstract(), positions, 1)
-    counts = [m for m in range(2, size + 1) if size % m == 0]
-    best, refused, lo, hi = None, None, 0, len(counts) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        tried.append(counts[mid])
-        try:
-            best, hi = plan_with(counts[mid]), mid - 1
-        except MemoryLimitError as e:
-            unfit, lo = e, mid + 1
-        except AutoparError as e:  # not accumulated over so many: a microbatch of one
-            refused, hi = e, mid - 1  # example may change the loss's code; try fewer
-    if best is not None:
-        return best, tried
-    if unfit is alone and refused is not None:
-        raise AutoparError(f"microbatches='auto': the step does not fit in one batch ({alone}), "
-                           f"and accumulating it over microbatches fails: {refused}") from refused
-    raise MemoryLimitError(f"microbatches='auto': no count of microbatches fits (tried {tried}). "
-                           f"With the most that could be planned: {unfit}") from unfit
-
-
-def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int]) -> Callable:
-    """The step autopar traces: the call's, its gradient accumulated over `microbatches`."""
+def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int],
+            groups: int = 1) -> Callable:
+    """The step autopar traces: the call's, its gradient accumulated over `microbatches`
+    (kept per share of `groups` device groups, see the module's docstring)."""
     if microbatches == 1:
         return call.step()
     return accumulating(call.step(), microbatches,
-                        call.traced_positions(batch_argnums, "batch_argnums"))
+                        call.traced_positions(batch_argnums, "batch_argnums"), groups)
 
 
-def accumulating(step: Callable, microbatches: int, batch: Sequence[int]) -> Callable:
+def accumulating(step: Callable, microbatches: int, batch: Sequence[int],
+                 groups: int = 1) -> Callable:
     """`step` (a function of its traced arguments) with its value_and_grad accumulated over
-    `microbatches`; `batch`: the positions of the arguments split into microbatches."""
+    `microbatches`; `batch`: the positions of the arguments split into microbatches;
+    `groups`: the shares each microbatch is computed in, side by side."""
     @functools.wraps(step)  # the step's name and signature: its inputs' paths
     def run(*args: Any) -> Any:
-        accumulation = _Accumulation(step, microbatches, tuple(batch), args)
+        accumulation = _Accumulation(step, microbatches, tuple(batch), args, groups)
         token = _ACTIVE.set(accumulation)
         try:
             out = step(*args)
@@ -165,6 +115,7 @@ class _Accumulation:
     microbatches: int
     batch: tuple[int, ...]
     args: tuple
+    groups: int = 1  # shares of each microbatch, computed side by side and summed after the loop
     calls: int = 0
     mode: str = "full"  # "probe": trace a microbatch's loss; "microbatch": run one
     captured: Any = None
@@ -186,7 +137,8 @@ class _Accumulation:
                 "step calls autopar.value_and_grad twice. Fix: add the losses into one "
                 "function and take one value_and_grad of it.")
         full, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
-        analysis = Separability(full, self._probe(), self.microbatches, _diff_leaves(args, argnums))
+        analysis = Separability(full, self._probe(), self.microbatches * self.groups,
+                                _diff_leaves(args, argnums))
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
         return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
 
@@ -214,9 +166,10 @@ class _Accumulation:
         return self.captured
 
     def _sizes(self) -> tuple[int, int]:
-        """(batch size, microbatch size), checked."""
-        size = _batch_size(self.args, self.batch, self.microbatches)
-        return size, size // self.microbatches
+        """(batch size, size of a microbatch's share), checked."""
+        parts = self.microbatches * self.groups
+        size = batch_size(self.args, self.batch, parts)
+        return size, size // parts
 
     def _microbatch_shape(self, i: int, arg: Any, sizes: tuple[int, int]) -> Any:
         def shape(x: Any) -> Any:
@@ -230,15 +183,15 @@ class _Accumulation:
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self, analysis: Separability, hoisted: dict, randoms: list, out_shape: Any,
               argnums: int | Sequence[int], args: tuple) -> Any:
-        m = self.microbatches
+        m, g = self.microbatches, self.groups
         size, _ = self._sizes()
-        split = [jax.tree_util.tree_map(lambda x: _strided(x, m) if jnp.ndim(x) else
-                                        jnp.broadcast_to(x, (m, *jnp.shape(x))), self.args[i])
+        split = [jax.tree_util.tree_map(lambda x: _strided(x, m, g) if jnp.ndim(x) else
+                                        jnp.broadcast_to(x, _lead(m, g) + jnp.shape(x)),
+                                        self.args[i])
                  for i in self.batch]
-        random_xs = [_strided_dim(v, dim, size, m) for v, dim in randoms]
+        random_xs = [_strided_dim(v, dim, size, m, g) for v, dim in randoms]
 
-        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
-            batch_j, randoms_j = xs
+        def share(batch_j: list, randoms_j: list) -> tuple[Any, Any]:
             args_j = list(self.args)
             for i, b in zip(self.batch, batch_j):
                 args_j[i] = b
@@ -253,14 +206,19 @@ class _Accumulation:
                 raise AutoparError("the step's value_and_grad did not run for a microbatch.")
             finally:
                 self.mode = previous
-            (summed, grads), examples = self.captured
-            carry = jax.tree_util.tree_map(jnp.add, carry, (summed, grads))
-            return carry, examples
+            return self.captured
 
-        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
+            sums, examples = (share if g == 1 else jax.vmap(share))(*xs)
+            return jax.tree_util.tree_map(jnp.add, carry, sums), examples
+
+        per_share = (g,) if g > 1 else ()
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(per_share + s.shape, s.dtype),
                                        self._summed_shape(analysis, out_shape, argnums, args))
         (summed, grads), examples = jax.lax.scan(body, zeros, (split, random_xs))
-        value = analysis.outputs(summed, [_unstrided(e, size) for e in examples])
+        if g > 1:  # the shares' sums, added once: the loop's only reduction over the batch
+            summed, grads = jax.tree_util.tree_map(lambda x: x.sum(0), (summed, grads))
+        value = analysis.outputs(summed, [_unstrided(e, size, g) for e in examples])
         value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), value)
         return value, grads
 
@@ -293,7 +251,7 @@ class _Accumulation:
         return (summed, _regroup(grads, args, argnums)), examples
 
 
-def _batch_size(args: Sequence[Any], batch: Sequence[int], m: int) -> int:
+def batch_size(args: Sequence[Any], batch: Sequence[int], m: int) -> int:
     """The batch arguments' one batch size (their leaves' first dimension), checked to be one
     and divisible by `m`."""
     leaves = [x for i in batch for x in jax.tree_util.tree_leaves(args[i])
@@ -344,20 +302,36 @@ def _regroup(grads: Sequence[Any], args: tuple, argnums: int | Sequence[int]) ->
     return out[0] if isinstance(argnums, int) else tuple(out)
 
 
-def _strided(x: Any, m: int) -> Any:
-    """[B, ...] -> [M, B/M, ...], microbatch j holding the examples j, j+M, ..."""
-    return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
+def _lead(m: int, g: int = 1) -> tuple[int, ...]:
+    """The loop's leading dimensions: microbatches, then shares where there are several."""
+    return (m,) if g == 1 else (m, g)
 
 
-def _unstrided(x: Any, size: int) -> Any:
-    """[M, B/M, ...] -> [B, ...], inverting `_strided`."""
-    return jnp.reshape(jnp.swapaxes(x, 0, 1), (size, *x.shape[2:]))
+def _strided(x: Any, m: int, g: int = 1) -> Any:
+    """[B, ...] -> [M, B/M, ...], microbatch j holding the examples j, j+M, ...; with g
+    shares [M, G, B/(M G), ...], share s of microbatch j holding those of the s-th of G
+    contiguous blocks of the batch (what the s-th device group keeps of a batch split G
+    ways)."""
+    if g == 1:
+        return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
+    return jnp.moveaxis(jnp.reshape(x, (g, x.shape[0] // (m * g), m, *x.shape[1:])), 2, 0)
 
 
-def _strided_dim(v: Any, dim: int, size: int, m: int) -> Any:
+def _unstrided(x: Any, size: int, g: int = 1) -> Any:
+    """[M, B/M, ...] (or [M, G, B/(M G), ...]) -> [B, ...], inverting `_strided`."""
+    if g == 1:
+        return jnp.reshape(jnp.swapaxes(x, 0, 1), (size, *x.shape[2:]))
+    return jnp.reshape(jnp.moveaxis(x, 0, 2), (size, *x.shape[3:]))
+
+
+def _strided_dim(v: Any, dim: int, size: int, m: int, g: int = 1) -> Any:
     """A per-example value whose dimension `dim` holds the batch (maybe merged with an inner
-    dimension: B * k) as [M, B/M * k, ...] with that dimension first."""
+    dimension: B * k) as [M, B/M * k, ...] (or [M, G, B/(M G) * k, ...]) with that dimension
+    first, its examples in microbatches (and shares) as `_strided` puts them."""
     v = jnp.moveaxis(v, dim, 0)
     k = v.shape[0] // size
-    v = jnp.reshape(v, (size // m, m, k, *v.shape[1:]))
-    return jnp.reshape(jnp.swapaxes(v, 0, 1), (m, (size // m) * k, *v.shape[3:]))
+    if g == 1:
+        v = jnp.reshape(v, (size // m, m, k, *v.shape[1:]))
+        return jnp.reshape(jnp.swapaxes(v, 0, 1), (m, (size // m) * k, *v.shape[3:]))
+    v = jnp.moveaxis(jnp.reshape(v, (g, size // (m * g), m, k, *v.shape[1:])), 2, 0)
+    return jnp.reshape(v, (m, g, (size // (m * g)) * k, *v.shape[4:]))

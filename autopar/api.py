@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.accumulate import check_microbatches, planned_within, step_of
+from autopar.accumulate import step_of
 from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
@@ -20,6 +20,7 @@ from autopar.cost.xla import buffer_model
 from autopar.errors import AutoparError
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
+from autopar.microbatching import check_microbatches, planned_within
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
@@ -67,9 +68,9 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     platform = compiler_platform(mesh, hw)
 
-    def traced(step: Callable, microbatches: int) -> Planning:
+    def traced(step: Callable, microbatches: int, groups: int) -> Planning:
         return Planning.traced(step, call.abstract(), hw, search, annotations, call.donated,
-                               platform, microbatches)
+                               platform, microbatches, groups)
 
     with young_objects_only():
         return planned_within(call, microbatches, batch_argnums, traced,
@@ -265,19 +266,22 @@ class AutoParallel:
             plan = assemble(graph, decisions, shape, self.hw, self.saved.search,
                             dict(self.saved.search_stats), in_tree, out_tree,
                             buffers=buffer_model(self.platform))
-            return dataclasses.replace(plan, microbatches=self.microbatches)
+            return dataclasses.replace(plan, microbatches=self.microbatches,
+                                       microbatch_groups=self.saved.microbatch_groups)
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled)
 
     def _step(self, call: Call) -> Callable:
-        return step_of(call, self.microbatches, self.batch_argnums)
+        groups = self.saved.microbatch_groups if self.saved is not None else 1
+        return step_of(call, self.microbatches, self.batch_argnums, groups)
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        def traced(step: Callable, microbatches: int) -> Planning:
+        def traced(step: Callable, microbatches: int, groups: int) -> Planning:
             return Planning.traced(step, call.abstract(), self.hw, self.search,
-                                   self.annotations, call.donated, self.platform, microbatches)
+                                   self.annotations, call.donated, self.platform, microbatches,
+                                   groups)
 
         limit = self.memory_limit
         planning, decisions, p = planned_within(call, self.microbatches, self.batch_argnums,

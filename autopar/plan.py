@@ -139,6 +139,9 @@ class Plan:
     memory: dict[str, Any] = field(hash=False, default_factory=dict)
     recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
     microbatches: int = 1  # the gradient accumulated over this many microbatches (accumulate.py)
+    # each microbatch computed as this many shares, one per device group along the batch's
+    # axes, their gradients summed once after the loop (1: reduced in every microbatch)
+    microbatch_groups: int = 1
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -192,8 +195,11 @@ class Plan:
             if m.get("compiled_bytes"):
                 lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
         if self.microbatches > 1:
+            reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
+                       "once after the loop" if self.microbatch_groups > 1 else
+                       "reduced in each microbatch")
             lines.append(f"gradient accumulated over {self.microbatches} microbatches, one "
-                         "after the other")
+                         f"after the other, {reduced}")
         if self.recompute:
             lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
                          f" ms more compute): {', '.join(self.recompute)}")

@@ -272,6 +272,7 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
         "search": plan.search,
         "hardware": plan.hardware,
         **({"microbatches": plan.microbatches} if plan.microbatches > 1 else {}),
+        **({"microbatch_groups": plan.microbatch_groups} if plan.microbatch_groups > 1 else {}),
         "inputs": [tensor_json(t) for t in plan.inputs],
         "outputs": outputs_json(plan.outputs, plan.inputs),
         "decisions": [decision_json(d) for d in plan.decisions],
@@ -297,7 +298,8 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
     return dict(
         mesh=tuple((str(n), int(s)) for n, s in zip(names, sizes)),
         search=body.get("search", body.get("backend", "")), hardware=body.get("hardware", ""),
-        microbatches=int(body.get("microbatches", 1)), inputs=inputs,
+        microbatches=int(body.get("microbatches", 1)),
+        microbatch_groups=int(body.get("microbatch_groups", 1)), inputs=inputs,
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),
         ops=tuple(op_from(o) for o in body.get("ops", [])),
         cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),

@@ -5,8 +5,9 @@ and small models, each program compiled for 8 simulated devices and judged on GP
 profiles by `autopar.evaluate`), `fidelity` (the cost model's estimates against what XLA compiled,
 with pinned baselines, for small models run on the simulated devices), `propagation`
 (annotations spread by sharding_propagation against the search), `planning` (search time and
-quality at depth and scale, first call against jax.jit) and `memory` (plans for shrinking memory
-budgets, predicted against compiled memory).
+quality at depth and scale, first call against jax.jit), `memory` (plans for shrinking memory
+budgets, predicted against compiled memory) and `accumulation` (microbatched steps: the
+gradient reduced once or per microbatch, predicted against compiled collectives and memory).
 Results go to benchmarks/results/<suite>.md and .json (quality with --memory-matched:
 quality-memory-matched), with the machine and versions, replacing the suite's previous results.
 Timings are of this machine; compare them as ratios within one run.
@@ -25,14 +26,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import (fidelity, memory, planning, propagation, quality,  # noqa: E402
-                        quality_report)
+from benchmarks import (accumulation, fidelity, memory, planning,  # noqa: E402
+                        propagation, quality, quality_report)
 from benchmarks.zoo import ZOO  # noqa: E402
 
 TITLES = {"quality": "Plan quality against expert shardings, judged from compiled programs",
           "fidelity": "Cost-model fidelity against compiled programs",
           "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark",
-          "memory": "Memory-aware planning benchmark"}
+          "memory": "Memory-aware planning benchmark",
+          "accumulation": "Gradient accumulation: reduced once, predicted against compiled"}
 
 
 def machine() -> dict[str, str]:
@@ -125,6 +127,10 @@ def main() -> None:
             fractions = (1.0, 0.25, 0.03) if args.quick else memory.FRACTIONS
             result = memory.run(cases, {"data": 8}, fractions, log=log)
             table = memory.markdown(result)
+        elif suite == "accumulation":
+            print("accumulation benchmark", flush=True)
+            result = accumulation.run(log=log)
+            table = accumulation.markdown(result)
         else:
             print("sharding propagation benchmark", flush=True)
             cases = propagation.QUICK_CASES if args.quick else propagation.CASES

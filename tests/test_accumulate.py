@@ -11,7 +11,7 @@ from helpers import check_against_single_device
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.cost.hlo import compiled_memory_bytes
+from autopar.cost.hlo import collectives, compiled_memory_bytes
 
 
 def linen_step(model, loss, tx):
@@ -48,6 +48,66 @@ def test_gpt_accumulated_equals_the_full_batch(microbatches):
     assert ("accumulated over" in plan.summary()) == (microbatches > 1)
 
 
+def gpt_case(batch=32):
+    _, state, data = models.gpt_setup(batch=batch, seq=64, vocab=512, d_model=64, heads=4,
+                                      layers=2)
+    model = models.GPT(vocab=512, d_model=64, heads=4, layers=2)
+    return linen_step(model, models.token_loss, optax.adamw(1e-3)), state, data
+
+
+def reductions_in_loops(compiled_text):
+    """The all-reduces, reduce-scatters and all-gathers of a compiled step that run more than
+    once per step (inside a loop), and those that run once."""
+    kinds = ("all-reduce", "reduce-scatter", "all-gather")
+    found = [c for c in collectives(compiled_text) if c.kind in kinds]
+    return ([c for c in found if c.executions > 1], [c for c in found if c.executions == 1])
+
+
+@pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 2, "model": 4}, {"a": 2, "b": 2, "c": 2}])
+def test_the_gradient_is_reduced_once_after_the_loop(mesh):
+    """Each microbatch runs as one share per device group along the batch's axes, so the loop
+    carries per-share sums and no gradient reduction: one reduction per step, after the loop,
+    where plain sharding constraints would reduce in every microbatch."""
+    step, state, data = gpt_case()
+    plan = check_against_single_device(step, state, data, autopar.make_mesh(mesh),
+                                       donate_argnums=0, microbatches=2)
+    assert plan.microbatch_groups == 8
+    assert "reduced once after the loop" in plan.summary()
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), microbatches=2)
+    in_loops, once = reductions_in_loops(sharded.lower(state, data).compile().as_text())
+    assert not in_loops and once, (in_loops, once)
+
+
+def test_a_saved_grouped_plan_runs_the_same_program():
+    step, state, data = gpt_case()
+    mesh = autopar.make_mesh({"data": 8})
+    sharded = autopar.auto_parallel(step, mesh=mesh, microbatches=2)
+    saved = autopar.Plan.from_json(sharded.plan(state, data).to_json())
+    assert saved.microbatch_groups == 8
+    reused = autopar.auto_parallel(step, mesh=mesh, plan=saved)
+    assert reused.plan(state, data).microbatch_groups == 8
+    theirs, ours = (f.lower(state, data).compile() for f in (reused, sharded))
+    assert collectives(theirs.as_text()) == collectives(ours.as_text())
+    assert compiled_memory_bytes(theirs) == compiled_memory_bytes(ours)
+    np.testing.assert_allclose(float(reused(state, data)[1]), float(sharded(state, data)[1]),
+                               rtol=1e-6)
+
+
+def test_shares_too_small_for_the_loss_reduce_per_microbatch():
+    """32 examples in 4 microbatches over 8 devices leave one example a share, which changes
+    the loss's code (a reshape drops the batch dimension): the step accumulates as before,
+    reducing in each microbatch, equal to one device."""
+    step, state, data = gpt_case()
+    plan = check_against_single_device(step, state, data, autopar.make_mesh({"data": 8}),
+                                       steps=1, microbatches=4)
+    assert plan.microbatch_groups == 1
+    assert "reduced in each microbatch" in plan.summary()
+    assert "in 8 shares" in plan.search_stats["reduced_per_microbatch"]
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), microbatches=4)
+    in_loops, _ = reductions_in_loops(sharded.lower(state, data).compile().as_text())
+    assert in_loops and all(c.executions == 4 for c in in_loops)
+
+
 def masked_step(tx, rate=0.0):
     """A token-weighted loss over a mask, an L2 penalty and a per-example mean, with dropout
     drawn from a key passed beside the batch: the full batch's normalisers differ from every
@@ -81,14 +141,20 @@ def masked_setup(batch=32):
     return tx, (params, tx.init(params)), data
 
 
-@pytest.mark.parametrize("microbatches,rate", [(2, 0.0), (4, 0.0), (4, 0.25)])
-def test_masked_token_weighted_loss_with_dropout(microbatches, rate):
+@pytest.mark.parametrize("microbatches,rate,split", [
+    (2, 0.0, False), (4, 0.0, False), (4, 0.25, False), (2, 0.25, True), (4, 0.25, True)])
+def test_masked_token_weighted_loss_with_dropout(microbatches, rate, split):
+    """`split`: the batch pinned over the 8 devices, so each microbatch runs as 8 shares (of
+    2 or 1 examples): dropout masks, token counts and per-example outputs still equal the
+    full batch's."""
     tx, state, data = masked_setup()
     step = masked_step(tx, rate)
     key = jax.random.key(7)
     reference = jax.jit(step)
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}),
-                                    microbatches=microbatches, batch_argnums=1)
+                                    microbatches=microbatches, batch_argnums=1,
+                                    annotations={r"^batch/": P("data")} if split else None)
+    assert sharded.plan(state, data, key).microbatch_groups == (8 if split else 1)
     ref_state, (ref_loss, ref_total) = reference(state, data, key)
     new_state, (loss, total) = sharded(state, data, key)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

@@ -1,4 +1,4 @@
-"""A smoke run of the planning benchmark at a tiny size."""
+"""Smoke runs of the benchmark suites at tiny sizes."""
 from benchmarks import planning, propagation
 
 
@@ -84,3 +84,12 @@ def test_memory_suite_smoke():
     assert "error" not in tight and tight["predicted_bytes"] <= tight["limit_bytes"]
     assert "no plan fits" in impossible["error"]
     assert "| tiny-mlp | 0.3 |" in memory.markdown(result)
+
+
+def test_accumulation_suite_smoke():
+    from benchmarks import accumulation
+    result = accumulation.run({"gpt batch 32": (32, (2,))}, ({"data": 8},), log=lambda line: None)
+    (row,) = result["accumulation"]
+    assert row["groups"] == 8 and row["in_loops_bytes"] == 0
+    assert row["compiled_collective_bytes"] == row["predicted_collective_bytes"] > 0
+    assert "| gpt batch 32 | 8 | 2 | once (8 shares) |" in accumulation.markdown(result)

@@ -45,6 +45,7 @@ class Planning:
     units: list[Unit] = field(init=False)
     problems: dict[MeshShape, dict] = field(default_factory=dict)  # built, unpriced, per mesh
     microbatches: int = 1  # the gradient accumulated over this many (autopar.accumulate)
+    microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
     # Under a memory limit, dynamic_programming proves the price search's answer where its
     # tables fit (budget.py); False keeps the prices' answer, found sooner.
     prove: bool = True
@@ -55,15 +56,17 @@ class Planning:
     @classmethod
     def traced(cls, fn: Callable, args: Sequence[Any], hw: Hardware, search: str,
                annotations: Annotations = None, donated: frozenset[int] = frozenset(),
-               platform: str | None = None, microbatches: int = 1) -> Planning:
+               platform: str | None = None, microbatches: int = 1,
+               microbatch_groups: int = 1) -> Planning:
         """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
         estimate reads) for a compiler of `platform` (default: the hardware profile's);
-        `microbatches`: what `fn` accumulates its gradient over, for the plan to say."""
+        `microbatches`, `microbatch_groups`: how `fn` accumulates its gradient, for the plan
+        to say."""
         t0 = time.perf_counter()
         graph, in_tree, out_shape = trace(fn, args, donated)
         return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
                    annotations, buffer_model(platform or hw.platform), time.perf_counter() - t0,
-                   microbatches=microbatches)
+                   microbatches=microbatches, microbatch_groups=microbatch_groups)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
              ) -> tuple[Decisions, Plan]:
@@ -96,7 +99,8 @@ class Planning:
         chosen = dataclasses.replace(chosen, stats=exactness(chosen.stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.out_tree, memory_limit, self.buffers)
-        return chosen.decisions, dataclasses.replace(plan, microbatches=self.microbatches)
+        return chosen.decisions, dataclasses.replace(
+            plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:

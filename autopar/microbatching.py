@@ -1,0 +1,164 @@
+"""How a step's gradient accumulation is planned: how many microbatches (`microbatches=M`, or
+"auto": the fewest whose plan fits the memory limit), and whether the microbatches run as
+shares reduced once after the loop (`groups`, see accumulate.py) or reduce in each one.
+
+The step is planned first with M microbatches reducing in each; where that plan splits the
+batch over G device groups, the step is traced again with G shares per microbatch and planned
+on the same mesh, and the grouped plan is kept where it is estimated faster and fits: its
+loop holds no gradient reduction, and it keeps one gradient per device for the whole loop
+(the carry of per-share sums), where a plan that shards the gradients (ZeRO) could keep less.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence, TypeVar
+
+import jax
+from jax.sharding import PartitionSpec
+
+from autopar.accumulate import batch_size, step_of
+from autopar.calling import Call
+from autopar.errors import AutoparError, MemoryLimitError
+from autopar.mesh import MeshShape, mesh_shape
+from autopar.plan import Decisions, Plan
+from autopar.planning.pipeline import Planning
+
+T = TypeVar("T")
+
+
+def check_microbatches(microbatches: int | str) -> None:
+    """An AutoparError unless `microbatches` is a positive int or "auto"."""
+    if microbatches == "auto":
+        return
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise AutoparError(f"microbatches={microbatches!r}: a positive int is needed (1: no "
+                           "gradient accumulation), or 'auto' (the fewest that fit "
+                           "memory_limit).")
+
+
+def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
+                   traced: Callable[[Callable, int, int], Planning], shape: MeshShape | int,
+                   limit: int | None) -> tuple[Planning, Decisions, Plan]:
+    """(Planning, Decisions, Plan): the step traced by `traced(step, M, groups)` and planned
+    on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
+    ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
+    loop where that is faster and fits (else search_stats["reduced_per_microbatch"] says
+    why not)."""
+    def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
+        planning = traced(step_of(call, m, batch_argnums), m, 1)
+        return planning, planning.plan(shape, limit)
+
+    (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
+                                                       batch_argnums)
+    if p.microbatches > 1:
+        planning, decisions, p = _reduced_once(call, batch_argnums, traced, limit,
+                                               (planning, decisions, p))
+    if len(tried) > 1:
+        p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
+    return planning, decisions, p
+
+
+def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
+                  traced: Callable[[Callable, int, int], Planning], limit: int | None,
+                  first: tuple[Planning, Decisions, Plan]) -> tuple[Planning, Decisions, Plan]:
+    """`first` (a plan accumulating per microbatch), or the same step with its gradient kept
+    per share of G device groups and reduced once after the loop, planned on `first`'s mesh,
+    where that is estimated fastest and fits. G: the groups `first` splits its batch over,
+    else those of the step planned in one batch (reducing per microbatch can make a plan keep
+    the batch whole, which the shares would not have to)."""
+    planning, decisions, p = first
+    positions = call.traced_positions(batch_argnums, "batch_argnums")
+    size = batch_size(call.abstract(), positions, 1)
+    shape = mesh_shape(dict(p.mesh))
+    best, why = first, []
+    for groups in _group_counts(call, batch_argnums, traced, p, positions, shape):
+        if size % (p.microbatches * groups):
+            why.append(f"{p.microbatches} microbatches of {groups} shares do not divide the "
+                       f"batch of {size}")
+            continue
+        try:
+            grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups),
+                                      p.microbatches, groups)
+            grouped_decisions, grouped = grouped_planning.plan(shape, limit)
+        except AutoparError as e:  # a share too small for the loss's code (one example,
+            why.append(f"in {groups} shares: {e}")  # whose batch dimension a reshape drops)
+            continue                               # or no fit
+        if grouped.cost["total_s"] > best[2].cost["total_s"]:
+            why.append(f"in {groups} shares it is estimated slower "
+                       f"({grouped.cost['total_s'] * 1e3:.3f} ms)")
+            continue
+        best = grouped_planning, grouped_decisions, grouped
+    if best is first:
+        p = dataclasses.replace(p, search_stats={
+            **p.search_stats,
+            "reduced_per_microbatch": "; ".join(why) or "no plan splits the batch"})
+        return planning, decisions, p
+    return best
+
+
+def _group_counts(call: Call, batch_argnums: int | Sequence[int],
+                  traced: Callable[[Callable, int, int], Planning], p: Plan,
+                  positions: Sequence[int], shape: MeshShape) -> list[int]:
+    """The share counts to try: the device groups `p` splits its batch over, else those of
+    the step planned in one batch without a memory limit."""
+    groups = batch_groups(p, positions)
+    if groups > 1:
+        return [groups]
+    try:
+        _, whole = traced(step_of(call, 1, batch_argnums), 1, 1).plan(shape, None)
+    except AutoparError:
+        return []
+    groups = batch_groups(whole, positions)
+    return [groups] if groups > 1 else []
+
+
+def batch_groups(p: Plan, positions: Sequence[int]) -> int:
+    """How many device groups `p` splits the batch arguments (`positions`) over: the product
+    of the mesh axes on their first dimension, where every batch leaf has the same ones."""
+    specs = [s for i in positions for s in jax.tree_util.tree_leaves(
+        p.input_specs[i], is_leaf=lambda x: isinstance(x, PartitionSpec)) if len(s)]
+    firsts = {_axes(s[0]) for s in specs}
+    if len(firsts) != 1:
+        return 1
+    sizes = dict(p.mesh)
+    return math.prod(sizes[a] for a in firsts.pop())
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call: Call,
+                   batch_argnums: int | Sequence[int]) -> tuple[T, list[int]]:
+    """`plan_with(M)` for the M asked, and the counts tried. For "auto": the fewest
+    microbatches whose plan fits the memory limit, 1 first, then a bisection over the batch
+    size's divisors, assuming that a count that fits leaves every larger count fitting.
+    Each count traces the step again."""
+    if microbatches != "auto":
+        return plan_with(microbatches), [microbatches]
+    tried = [1]
+    try:
+        return plan_with(1), tried
+    except MemoryLimitError as e:
+        alone = unfit = e
+    positions = call.traced_positions(batch_argnums, "batch_argnums")
+    size = batch_size(call.abstract(), positions, 1)
+    counts = [m for m in range(2, size + 1) if size % m == 0]
+    best, refused, lo, hi = None, None, 0, len(counts) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tried.append(counts[mid])
+        try:
+            best, hi = plan_with(counts[mid]), mid - 1
+        except MemoryLimitError as e:
+            unfit, lo = e, mid + 1
+        except AutoparError as e:  # not accumulated over so many: a microbatch of one
+            refused, hi = e, mid - 1  # example may change the loss's code; try fewer
+    if best is not None:
+        return best, tried
+    if unfit is alone and refused is not None:
+        raise AutoparError(f"microbatches='auto': the step does not fit in one batch ({alone}), "
+                           f"and accumulating it over microbatches fails: {refused}") from refused
+    raise MemoryLimitError(f"microbatches='auto': no count of microbatches fits (tried {tried}). "
+                           f"With the most that could be planned: {unfit}") from unfit
