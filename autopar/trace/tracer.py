@@ -199,7 +199,9 @@ class _Builder:
         body_const_ids = [self.constant(c, jax.typeof(c)) for c in body_consts]
         carry_in, carry_ops = [], []
         for i, (var, init) in enumerate(zip(body.invars[n_const:n_const + n_carry], carries)):
-            tid = self.tensor(var.aval, const=self.is_const(init))
+            # Not a constant even where its initial value is one (an accumulator's zeros): it
+            # changes from one iteration to the next, and its readers' resharding costs.
+            tid = self.tensor(var.aval)
             carry_in.append(tid)
             # The carry op ties the initial value and the body's carry-out to one sharding; its
             # second operand is filled in once the body has been walked.
