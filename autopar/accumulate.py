@@ -23,8 +23,8 @@ sharding, so XLA all-reduces the gradient in every iteration (M collectives of t
 size, where one would do). With `groups=G` each microbatch is computed as G shares side by side
 (vmapped), share g holding the examples that the g-th of G device groups along the batch's axes
 keeps; the loop carries one sum per share ([G, ...], split like the batch), which needs no
-collective, and the shares are added once after the loop. G comes from a plan made first
-without groups: the product of the mesh axes that split its batch (`microbatching.py`).
+reduction, and the shares are added once after the loop. G is the product of the mesh axes
+that split the batch in a plan made first without groups (`microbatching.py`).
 """
 from __future__ import annotations
 

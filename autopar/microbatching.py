@@ -2,11 +2,12 @@
 "auto": the fewest whose plan fits the memory limit), and whether the microbatches run as
 shares reduced once after the loop (`groups`, see accumulate.py) or reduce in each one.
 
-The step is planned first with M microbatches reducing in each; where that plan splits the
-batch over G device groups, the step is traced again with G shares per microbatch and planned
-on the same mesh, and the grouped plan is kept where it is estimated faster and fits: its
-loop holds no gradient reduction, and it keeps one gradient per device for the whole loop
-(the carry of per-share sums), where a plan that shards the gradients (ZeRO) could keep less.
+The step is planned first with M microbatches reducing in each. Where that plan splits the
+batch over G device groups (or, where it keeps the batch whole, the step planned in one batch
+does), the step is traced again with G shares per microbatch and planned on the same mesh,
+and the grouped plan is kept where it is estimated no slower and fits: its loop holds no
+gradient reduction, and it keeps one gradient per device for the whole loop (the carry of
+per-share sums), where a plan that shards the gradients (ZeRO) could keep less.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
     """(Planning, Decisions, Plan): the step traced by `traced(step, M, groups)` and planned
     on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
-    loop where that is faster and fits (else search_stats["reduced_per_microbatch"] says
+    loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
     why not)."""
     def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
         planning = traced(step_of(call, m, batch_argnums), m, 1)
@@ -64,53 +65,48 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
                   first: tuple[Planning, Decisions, Plan]) -> tuple[Planning, Decisions, Plan]:
     """`first` (a plan accumulating per microbatch), or the same step with its gradient kept
     per share of G device groups and reduced once after the loop, planned on `first`'s mesh,
-    where that is estimated fastest and fits. G: the groups `first` splits its batch over,
-    else those of the step planned in one batch (reducing per microbatch can make a plan keep
-    the batch whole, which the shares would not have to)."""
+    where that is estimated no slower and fits (`_share_count` gives G)."""
     planning, decisions, p = first
+
+    def per_microbatch(why: str) -> tuple[Planning, Decisions, Plan]:
+        return planning, decisions, dataclasses.replace(
+            p, search_stats={**p.search_stats, "reduced_per_microbatch": why})
+
     positions = call.traced_positions(batch_argnums, "batch_argnums")
-    size = batch_size(call.abstract(), positions, 1)
     shape = mesh_shape(dict(p.mesh))
-    best, why = first, []
-    for groups in _group_counts(call, batch_argnums, traced, p, positions, shape):
-        if size % (p.microbatches * groups):
-            why.append(f"{p.microbatches} microbatches of {groups} shares do not divide the "
-                       f"batch of {size}")
-            continue
-        try:
-            grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups),
-                                      p.microbatches, groups)
-            grouped_decisions, grouped = grouped_planning.plan(shape, limit)
-        except AutoparError as e:  # a share too small for the loss's code (one example,
-            why.append(f"in {groups} shares: {e}")  # whose batch dimension a reshape drops)
-            continue                               # or no fit
-        if grouped.cost["total_s"] > best[2].cost["total_s"]:
-            why.append(f"in {groups} shares it is estimated slower "
-                       f"({grouped.cost['total_s'] * 1e3:.3f} ms)")
-            continue
-        best = grouped_planning, grouped_decisions, grouped
-    if best is first:
-        p = dataclasses.replace(p, search_stats={
-            **p.search_stats,
-            "reduced_per_microbatch": "; ".join(why) or "no plan splits the batch"})
-        return planning, decisions, p
-    return best
+    groups = _share_count(call, batch_argnums, traced, p, positions, shape)
+    size = batch_size(call.abstract(), positions, 1)
+    if groups == 1:
+        return per_microbatch("no plan splits the batch")
+    if size % (p.microbatches * groups):
+        return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
+                              f"divide the batch of {size}")
+    try:
+        grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups),
+                                  p.microbatches, groups)
+        grouped_decisions, grouped = grouped_planning.plan(shape, limit)
+    except AutoparError as e:  # a share too small for the loss's code (one example, whose
+        return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
+    if grouped.cost["total_s"] > p.cost["total_s"]:         # or no fit
+        return per_microbatch(f"in {groups} shares it is estimated slower "
+                              f"({grouped.cost['total_s'] * 1e3:.3f} ms)")
+    return grouped_planning, grouped_decisions, grouped
 
 
-def _group_counts(call: Call, batch_argnums: int | Sequence[int],
-                  traced: Callable[[Callable, int, int], Planning], p: Plan,
-                  positions: Sequence[int], shape: MeshShape) -> list[int]:
-    """The share counts to try: the device groups `p` splits its batch over, else those of
-    the step planned in one batch without a memory limit."""
+def _share_count(call: Call, batch_argnums: int | Sequence[int],
+                 traced: Callable[[Callable, int, int], Planning], p: Plan,
+                 positions: Sequence[int], shape: MeshShape) -> int:
+    """G: the device groups `p` splits its batch over, else those of the step planned in one
+    batch without a memory limit (reducing per microbatch can make a plan keep the batch
+    whole, which the shares would not have to); 1 where neither splits it."""
     groups = batch_groups(p, positions)
     if groups > 1:
-        return [groups]
+        return groups
     try:
         _, whole = traced(step_of(call, 1, batch_argnums), 1, 1).plan(shape, None)
     except AutoparError:
-        return []
-    groups = batch_groups(whole, positions)
-    return [groups] if groups > 1 else []
+        return 1
+    return batch_groups(whole, positions)
 
 
 def batch_groups(p: Plan, positions: Sequence[int]) -> int:

@@ -89,7 +89,7 @@ def test_memory_suite_smoke():
 def test_accumulation_suite_smoke():
     from benchmarks import accumulation
     result = accumulation.run({"gpt batch 32": (32, (2,))}, ({"data": 8},), log=lambda line: None)
-    (row,) = result["accumulation"]
+    (row,) = [r for r in result["accumulation"] if r["program"] == "autopar"]
     assert row["groups"] == 8 and row["in_loops_bytes"] == 0
     assert row["compiled_collective_bytes"] == row["predicted_collective_bytes"] > 0
-    assert "| gpt batch 32 | 8 | 2 | once (8 shares) |" in accumulation.markdown(result)
+    assert "| gpt batch 32 | 8 | 2 | autopar | once (8 shares) |" in accumulation.markdown(result)
