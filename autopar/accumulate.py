@@ -38,6 +38,9 @@ import jax.numpy as jnp
 
 from autopar.calling import Call
 from autopar.errors import AutoparError
+from autopar.microbatch_layout import (diff_leaves, grads_shape, lead, regroup, strided,
+                                       strided_dim, unstrided)
+from autopar.pipeline_parallel import pipelined_value_and_grad
 from autopar.separable import Separability, evaluate, hoisted_values
 
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
@@ -77,34 +80,37 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
 
 
 def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int],
-            groups: int = 1) -> Callable:
+            groups: int = 1, stages: int = 1) -> Callable:
     """The step autopar traces: the call's, its gradient accumulated over `microbatches`
-    (kept per share of `groups` device groups, see the module's docstring)."""
-    if microbatches == 1:
+    (kept per share of `groups` device groups, see the module's docstring), or its loss's
+    layer stack pipelined over `stages` (pipeline_parallel.py)."""
+    if microbatches == 1 and stages == 1:
         return call.step()
     return accumulating(call.step(), microbatches,
-                        call.traced_positions(batch_argnums, "batch_argnums"), groups)
+                        call.traced_positions(batch_argnums, "batch_argnums"), groups, stages)
 
 
 def accumulating(step: Callable, microbatches: int, batch: Sequence[int],
-                 groups: int = 1) -> Callable:
+                 groups: int = 1, stages: int = 1) -> Callable:
     """`step` (a function of its traced arguments) with its value_and_grad accumulated over
     `microbatches`; `batch`: the positions of the arguments split into microbatches;
-    `groups`: the shares each microbatch is computed in, side by side."""
+    `groups`: the shares each microbatch is computed in, side by side; `stages`: pipeline
+    stages of the loss's layer stack."""
     @functools.wraps(step)  # the step's name and signature: its inputs' paths
     def run(*args: Any) -> Any:
-        accumulation = _Accumulation(step, microbatches, tuple(batch), args, groups)
+        accumulation = _Accumulation(step, microbatches, tuple(batch), args, groups, stages)
         token = _ACTIVE.set(accumulation)
         try:
             out = step(*args)
         finally:
             _ACTIVE.reset(token)
         if not accumulation.calls:
+            what = (f"pipeline={stages} pipelines" if stages > 1 else
+                    f"microbatches={microbatches} accumulates the gradient of")
             raise AutoparError(
-                f"microbatches={microbatches} accumulates the gradient of the step's loss, and "
-                "this step took its gradient with something autopar cannot see. Fix: use "
-                "autopar.value_and_grad (or autopar.grad) in place of jax.value_and_grad; "
-                "outside auto_parallel they are jax's own.")
+                f"{what} the step's loss, and this step took its gradient with something "
+                "autopar cannot see. Fix: use autopar.value_and_grad (or autopar.grad) in "
+                "place of jax.value_and_grad; outside auto_parallel they are jax's own.")
         return out
     return run
 
@@ -116,6 +122,7 @@ class _Accumulation:
     batch: tuple[int, ...]
     args: tuple
     groups: int = 1  # shares of each microbatch, computed side by side and summed after the loop
+    stages: int = 1  # >1: the loss's layer stack pipelined over so many (pipeline_parallel.py)
     calls: int = 0
     mode: str = "full"  # "probe": trace a microbatch's loss; "microbatch": run one
     captured: Any = None
@@ -138,7 +145,10 @@ class _Accumulation:
                 "function and take one value_and_grad of it.")
         full, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
         analysis = Separability(full, self._probe(), self.microbatches * self.groups,
-                                _diff_leaves(args, argnums))
+                                diff_leaves(args, argnums))
+        if self.stages > 1:
+            return pipelined_value_and_grad(analysis, full, jax.tree_util.tree_structure(
+                out_shape), args, argnums, options, self.stages, self.microbatches)
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
         return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
 
@@ -185,11 +195,11 @@ class _Accumulation:
               argnums: int | Sequence[int], args: tuple) -> Any:
         m, g = self.microbatches, self.groups
         size, _ = self._sizes()
-        split = [jax.tree_util.tree_map(lambda x: _strided(x, m, g) if jnp.ndim(x) else
-                                        jnp.broadcast_to(x, _lead(m, g) + jnp.shape(x)),
+        split = [jax.tree_util.tree_map(lambda x: strided(x, m, g) if jnp.ndim(x) else
+                                        jnp.broadcast_to(x, lead(m, g) + jnp.shape(x)),
                                         self.args[i])
                  for i in self.batch]
-        random_xs = [_strided_dim(v, dim, size, m, g) for v, dim in randoms]
+        random_xs = [strided_dim(v, dim, size, m, g) for v, dim in randoms]
 
         def share(batch_j: list, randoms_j: list) -> tuple[Any, Any]:
             args_j = list(self.args)
@@ -218,7 +228,7 @@ class _Accumulation:
         (summed, grads), examples = jax.lax.scan(body, zeros, (split, random_xs))
         if g > 1:  # the shares' sums, added once: the loop's only reduction over the batch
             summed, grads = jax.tree_util.tree_map(lambda x: x.sum(0), (summed, grads))
-        value = analysis.outputs(summed, [_unstrided(e, size, g) for e in examples])
+        value = analysis.outputs(summed, [unstrided(e, size, g) for e in examples])
         value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), value)
         return value, grads
 
@@ -226,7 +236,7 @@ class _Accumulation:
                       argnums: int | Sequence[int], args: tuple) -> Any:
         outs = jax.tree_util.tree_leaves(out_shape)
         summed = [o for o, kind in zip(outs, analysis.out_kinds) if kind != "example"]
-        return summed, _grads_shape(args, argnums)
+        return summed, grads_shape(args, argnums)
 
     def _one_microbatch(self, loss: Callable, argnums: int | Sequence[int], options: dict,
                         args: tuple) -> Any:
@@ -248,7 +258,7 @@ class _Accumulation:
         (_, (summed, examples)), grads = jax.value_and_grad(
             summed_loss, argnums=tuple(range(len(diff))), has_aux=True, **options)(
             *[flat[k] for k in diff])
-        return (summed, _regroup(grads, args, argnums)), examples
+        return (summed, regroup(grads, args, argnums)), examples
 
 
 def batch_size(args: Sequence[Any], batch: Sequence[int], m: int) -> int:
@@ -269,69 +279,3 @@ def batch_size(args: Sequence[Any], batch: Sequence[int], m: int) -> int:
         raise AutoparError(f"microbatches={m} does not divide the batch of {size}. Fix: use "
                            f"a divisor of {size}.")
     return size
-
-
-def _diff_leaves(args: tuple, argnums: int | Sequence[int]) -> list[int]:
-    """The flat positions of the differentiated arguments' leaves."""
-    nums = {argnums} if isinstance(argnums, int) else set(argnums)
-    out, offset = [], 0
-    for i, a in enumerate(args):
-        n = len(jax.tree_util.tree_leaves(a))
-        if i in nums:
-            out += range(offset, offset + n)
-        offset += n
-    return out
-
-
-def _grads_shape(args: tuple, argnums: int | Sequence[int]) -> Any:
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
-                                                                   jnp.result_type(x)), args)
-    if isinstance(argnums, int):
-        return shapes[argnums]
-    return tuple(shapes[i] for i in argnums)
-
-
-def _regroup(grads: Sequence[Any], args: tuple, argnums: int | Sequence[int]) -> Any:
-    """Flat gradients back in the differentiated arguments' trees (jax.grad's layout)."""
-    nums = [argnums] if isinstance(argnums, int) else list(argnums)
-    out, k = [], 0
-    for i in nums:
-        leaves, tree = jax.tree_util.tree_flatten(args[i])
-        out.append(jax.tree_util.tree_unflatten(tree, grads[k:k + len(leaves)]))
-        k += len(leaves)
-    return out[0] if isinstance(argnums, int) else tuple(out)
-
-
-def _lead(m: int, g: int = 1) -> tuple[int, ...]:
-    """The loop's leading dimensions: microbatches, then shares where there are several."""
-    return (m,) if g == 1 else (m, g)
-
-
-def _strided(x: Any, m: int, g: int = 1) -> Any:
-    """[B, ...] -> [M, B/M, ...], microbatch j holding the examples j, j+M, ...; with g
-    shares [M, G, B/(M G), ...], share s of microbatch j holding those of the s-th of G
-    contiguous blocks of the batch (what the s-th device group keeps of a batch split G
-    ways)."""
-    if g == 1:
-        return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
-    return jnp.moveaxis(jnp.reshape(x, (g, x.shape[0] // (m * g), m, *x.shape[1:])), 2, 0)
-
-
-def _unstrided(x: Any, size: int, g: int = 1) -> Any:
-    """[M, B/M, ...] (or [M, G, B/(M G), ...]) -> [B, ...], inverting `_strided`."""
-    if g == 1:
-        return jnp.reshape(jnp.swapaxes(x, 0, 1), (size, *x.shape[2:]))
-    return jnp.reshape(jnp.moveaxis(x, 0, 2), (size, *x.shape[3:]))
-
-
-def _strided_dim(v: Any, dim: int, size: int, m: int, g: int = 1) -> Any:
-    """A per-example value whose dimension `dim` holds the batch (maybe merged with an inner
-    dimension: B * k) as [M, B/M * k, ...] (or [M, G, B/(M G) * k, ...]) with that dimension
-    first, its examples in microbatches (and shares) as `_strided` puts them."""
-    v = jnp.moveaxis(v, dim, 0)
-    k = v.shape[0] // size
-    if g == 1:
-        v = jnp.reshape(v, (size // m, m, k, *v.shape[1:]))
-        return jnp.reshape(jnp.swapaxes(v, 0, 1), (m, (size // m) * k, *v.shape[3:]))
-    v = jnp.moveaxis(jnp.reshape(v, (g, size // (m * g), m, k, *v.shape[1:])), 2, 0)
-    return jnp.reshape(v, (m, g, (size // (m * g)) * k, *v.shape[4:]))

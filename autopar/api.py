@@ -21,6 +21,7 @@ from autopar.errors import AutoparError
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
 from autopar.microbatching import check_microbatches, planned_within
+from autopar.pipeline_parallel import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
@@ -43,7 +44,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          memory_limit: int | str | None = None, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
          donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
-         batch_argnums: int | Sequence[int] = -1) -> Plan:
+         batch_argnums: int | Sequence[int] = -1, pipeline: int = 1) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -57,24 +58,26 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     activations and recomputing layers as needed; if none fits, an AutoparError says how much
     the leanest plan needs. `static_argnums` / `static_argnames`, `donate_argnums` /
     `donate_argnames`: as in `auto_parallel` (the memory estimate holds an undonated state
-    twice, the old and the new). `microbatches`, `batch_argnums`: as in `auto_parallel`.
+    twice, the old and the new). `microbatches`, `batch_argnums`, `pipeline`: as in
+    `auto_parallel`.
     """
     _check_search(search)
     check_annotations_type(annotations)
     check_microbatches(microbatches)
+    check_pipeline(pipeline, microbatches, mesh)
     call = Call(fn, Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                    donate_argnames), args, {})
     hw = get_profile(hardware)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     platform = compiler_platform(mesh, hw)
 
-    def traced(step: Callable, microbatches: int, groups: int) -> Planning:
+    def traced(step: Callable, microbatches: int, groups: int, stages: int = 1) -> Planning:
         return Planning.traced(step, call.abstract(), hw, search, annotations, call.donated,
-                               platform, microbatches, groups)
+                               platform, microbatches, groups, stages)
 
     with young_objects_only():
         return planned_within(call, microbatches, batch_argnums, traced,
-                               _mesh_or_count(mesh), limit)[2]
+                              _mesh_or_count(mesh), limit, pipeline)[2]
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -121,7 +124,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                   static_argnames: str | Sequence[str] = (),
                   donate_argnums: int | Sequence[int] = (),
                   donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
-                  batch_argnums: int | Sequence[int] = -1) -> Any:
+                  batch_argnums: int | Sequence[int] = -1, pipeline: int = 1) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
@@ -151,13 +154,19 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     included; a loss that is not a sum over microbatches (batch statistics, in-batch
     negatives) is refused with the operation that makes it so (autopar/accumulate.py).
     `microbatches="auto"`: the fewest microbatches whose plan fits `memory_limit`.
+
+    `pipeline=S` (with `microbatches=M`, on a mesh with a 'stage' axis of size S) runs the
+    loss's stack of layers (an nn.scan, or a lax.scan over stacked weights) as S pipeline
+    stages over the M microbatches, GPipe's schedule in the one program (see
+    autopar/pipeline_parallel.py); the rest of the step runs once, on the full batch.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
                                  plan=plan, annotations=annotations, memory_limit=memory_limit,
                                  static_argnums=static_argnums, static_argnames=static_argnames,
                                  donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-                                 microbatches=microbatches, batch_argnums=batch_argnums)
+                                 microbatches=microbatches, batch_argnums=batch_argnums,
+                                 pipeline=pipeline)
     if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
         raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
@@ -166,13 +175,14 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     _check_search(search)
     check_annotations_type(annotations)
     check_microbatches(microbatches)
+    check_pipeline(pipeline, microbatches, mesh)
     plan = _saved_plan(plan, annotations)
     conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                  donate_argnames)
     hw = get_profile(hardware)
     return AutoParallel(fn, mesh, search, hw, plan, annotations,
                         resolve_memory_limit(memory_limit, hw, mesh), conventions, microbatches,
-                        batch_argnums)
+                        batch_argnums, pipeline)
 
 
 def _saved_plan(plan: Plan | str | os.PathLike | None, annotations: Annotations) -> Plan | None:
@@ -217,7 +227,8 @@ class AutoParallel:
     def __init__(self, fn: Callable, mesh: Mesh | str | int, search: str, hw: Hardware,
                  saved: Plan | None, annotations: Annotations = None,
                  memory_limit: int | None = None, conventions: Conventions | None = None,
-                 microbatches: int | str = 1, batch_argnums: int | Sequence[int] = -1) -> None:
+                 microbatches: int | str = 1, batch_argnums: int | Sequence[int] = -1,
+                 pipeline: int = 1) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
@@ -228,6 +239,7 @@ class AutoParallel:
                                    "Fix: drop microbatches= to apply the plan as saved.")
             microbatches = saved.microbatches
         self.microbatches, self.batch_argnums = microbatches, batch_argnums
+        self.stages = saved.pipeline_stages if saved is not None else pipeline
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
         # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
         self.platform = compiler_platform(mesh, hw)
@@ -267,25 +279,27 @@ class AutoParallel:
                             dict(self.saved.search_stats), in_tree, out_tree,
                             buffers=buffer_model(self.platform))
             return dataclasses.replace(plan, microbatches=self.microbatches,
-                                       microbatch_groups=self.saved.microbatch_groups)
+                                       microbatch_groups=self.saved.microbatch_groups,
+                                       pipeline_stages=self.stages)
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled)
 
     def _step(self, call: Call) -> Callable:
         groups = self.saved.microbatch_groups if self.saved is not None else 1
-        return step_of(call, self.microbatches, self.batch_argnums, groups)
+        return step_of(call, self.microbatches, self.batch_argnums, groups, self.stages)
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        def traced(step: Callable, microbatches: int, groups: int) -> Planning:
+        def traced(step: Callable, microbatches: int, groups: int, stages: int = 1
+                   ) -> Planning:
             return Planning.traced(step, call.abstract(), self.hw, self.search,
                                    self.annotations, call.donated, self.platform, microbatches,
-                                   groups)
+                                   groups, stages)
 
         limit = self.memory_limit
         planning, decisions, p = planned_within(call, self.microbatches, self.batch_argnums,
-                                                 traced, shape, limit)
+                                                 traced, shape, limit, self.stages)
         compiled = 0
         for check in range(COMPILE_CHECKS + 1):
             try:

@@ -39,20 +39,21 @@ def check_microbatches(microbatches: int | str) -> None:
 
 
 def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                   traced: Callable[[Callable, int, int], Planning], shape: MeshShape | int,
-                   limit: int | None) -> tuple[Planning, Decisions, Plan]:
+                   traced: Callable[..., Planning], shape: MeshShape | int,
+                   limit: int | None, stages: int = 1) -> tuple[Planning, Decisions, Plan]:
     """(Planning, Decisions, Plan): the step traced by `traced(step, M, groups)` and planned
     on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
     loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
-    why not)."""
+    why not). With `stages`, the loss's layer stack pipelined (pipeline_parallel.py), no
+    shares."""
     def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
-        planning = traced(step_of(call, m, batch_argnums), m, 1)
+        planning = traced(step_of(call, m, batch_argnums, 1, stages), m, 1, stages)
         return planning, planning.plan(shape, limit)
 
     (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
                                                        batch_argnums)
-    if p.microbatches > 1:
+    if p.microbatches > 1 and stages == 1:
         planning, decisions, p = _reduced_once(call, batch_argnums, traced, limit,
                                                (planning, decisions, p))
     if len(tried) > 1:

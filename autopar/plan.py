@@ -142,6 +142,7 @@ class Plan:
     # each microbatch computed as this many shares, one per device group along the batch's
     # axes, their gradients summed once after the loop (1: reduced in every microbatch)
     microbatch_groups: int = 1
+    pipeline_stages: int = 1  # stages of the loss's layer stack (pipeline_parallel.py)
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -194,7 +195,9 @@ class Plan:
             lines.append(f"memory at its peak{allowed} ({m['where']}): {kinds} MiB")
             if m.get("compiled_bytes"):
                 lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
-        if self.microbatches > 1:
+        if self.pipeline_stages > 1:
+            lines.append(pipeline_line(self.pipeline_stages, self.microbatches))
+        elif self.microbatches > 1:
             reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
                        "once after the loop" if self.microbatch_groups > 1 else
                        "reduced in each microbatch")
@@ -273,3 +276,10 @@ def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
         groups[(layer_key(t.path), t.shape, t.dtype, t.spec, t.bytes_per_device)].append(t)
     return [(pattern, members[0]) for members in groups.values()
             for pattern in collapse([t.path for t in members])]
+
+
+def pipeline_line(stages: int, microbatches: int) -> str:
+    """The summary's line for a pipelined plan."""
+    return (f"layer stack pipelined over {stages} stages (the mesh's 'stage' axis) and "
+            f"{microbatches} microbatches, GPipe schedule: {microbatches + stages - 1} ticks, "
+            f"bubble {(stages - 1) / (microbatches + stages - 1):.0%} of each stage's time")

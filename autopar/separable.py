@@ -58,6 +58,8 @@ class Separability:
         self.actions: dict[int, tuple] = {}
         self.randoms: list[tuple[int, int]] = []  # (id of the drawing equation, its batch dim)
         self.hoisted: list[int] = []  # ids of the equations computed at the full batch
+        # id of an examplewise scan -> its inputs' kinds, and its equation at one microbatch
+        self.loops: dict[int, tuple[list[Kind], Any]] = {}
         dep = set(self.diff_leaves)
         ins = [self._kind(f.aval, m.aval, False, "an input of the loss")
                for f, m in zip(full.jaxpr.constvars, micro.jaxpr.constvars)]
@@ -103,6 +105,8 @@ class Separability:
                     for f, m in zip(ef.outvars, em.outvars)]
             if name in CALL_PRIMITIVES and CALL_PRIMITIVES[name] in ef.params:
                 outs = self._call(ef, em, kinds)
+            elif name == "scan":
+                outs = self._scan(ef, em, kinds, where)
             else:
                 outs = self._decide(ef, kinds, outs, where)
             env.update(zip(ef.outvars, outs))
@@ -119,6 +123,35 @@ class Separability:
         if len(self.actions) > before:
             self.actions[id(ef)] = ("inline",)
         return outs
+
+    def _scan(self, ef: Any, em: Any, kinds: list[Kind], where: str) -> list[Kind]:
+        """A loop (a scanned layer stack, say) whose body keeps examples apart: each
+        iteration's per-example values stay per-example, along the same dimension, and its
+        body needs nothing done at the full batch."""
+        p = ef.params
+        nc, ncarry = p["num_consts"], p["num_carry"]
+        body_f, consts_f = _open(p["jaxpr"])
+        body_m, consts_m = _open(em.params["jaxpr"])
+        xs = kinds[nc + ncarry:]
+        if any(k.batch == 0 for k in xs):
+            raise _refused(where, "loops over the examples of the batch")
+        inner = [dataclasses.replace(k, batch=None if k.batch is None else k.batch - 1)
+                 for k in xs]
+        before = len(self.actions)
+        ins = [self._kind(f.aval, m.aval, False, "a constant of a loop")
+               for f, m in zip(body_f.constvars, body_m.constvars)]
+        outs = self._analyse(body_f, body_m, ins + kinds[:nc + ncarry] + inner)
+        if len(self.actions) > before:
+            raise _refused(where, "draws per-example random numbers, or computes from the "
+                                  "batch alone what microbatches take from the full batch, "
+                                  "inside a loop")
+        carry_in, carry_out = kinds[nc:nc + ncarry], outs[:ncarry]
+        if any((a.batch, a.summed) != (b.batch, b.summed) for a, b in zip(carry_in, carry_out)):
+            raise _refused(where, "carries a value that changes how it depends on the batch "
+                                  "from one iteration to the next (a sum over the batch, say)")
+        self.loops[id(ef)] = (kinds, em)
+        return carry_out + [dataclasses.replace(k, batch=None if k.batch is None
+                                                else k.batch + 1) for k in outs[ncarry:]]
 
     def _decide(self, ef: Any, kinds: list[Kind], outs: list[Kind], where: str) -> list[Kind]:
         name = ef.primitive.name

@@ -6,8 +6,9 @@ profiles by `autopar.evaluate`), `fidelity` (the cost model's estimates against 
 with pinned baselines, for small models run on the simulated devices), `propagation`
 (annotations spread by sharding_propagation against the search), `planning` (search time and
 quality at depth and scale, first call against jax.jit), `memory` (plans for shrinking memory
-budgets, predicted against compiled memory) and `accumulation` (microbatched steps: the
-gradient reduced once or per microbatch, predicted against compiled collectives and memory).
+budgets, predicted against compiled memory), `accumulation` (microbatched steps: the
+gradient reduced once or per microbatch, predicted against compiled collectives and memory)
+and `pipeline` (a GPT's layer stack over 1 to 8 pipeline stages, predicted against compiled).
 Results go to benchmarks/results/<suite>.md and .json (quality with --memory-matched:
 quality-memory-matched), with the machine and versions, replacing the suite's previous results.
 Timings are of this machine; compare them as ratios within one run.
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import (accumulation, fidelity, memory, planning,  # noqa: E402
+from benchmarks import (accumulation, fidelity, memory, pipeline, planning,  # noqa: E402
                         propagation, quality, quality_report)
 from benchmarks.zoo import ZOO  # noqa: E402
 
@@ -34,7 +35,8 @@ TITLES = {"quality": "Plan quality against expert shardings, judged from compile
           "fidelity": "Cost-model fidelity against compiled programs",
           "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark",
           "memory": "Memory-aware planning benchmark",
-          "accumulation": "Gradient accumulation: reduced once, predicted against compiled"}
+          "accumulation": "Gradient accumulation: reduced once, predicted against compiled",
+          "pipeline": "Pipeline parallelism: stages predicted against compiled"}
 
 
 def machine() -> dict[str, str]:
@@ -131,6 +133,10 @@ def main() -> None:
             print("accumulation benchmark", flush=True)
             result = accumulation.run(log=log)
             table = accumulation.markdown(result)
+        elif suite == "pipeline":
+            print("pipeline benchmark", flush=True)
+            result = pipeline.run(log=log)
+            table = pipeline.markdown(result)
         else:
             print("sharding propagation benchmark", flush=True)
             cases = propagation.QUICK_CASES if args.quick else propagation.CASES

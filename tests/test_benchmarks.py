@@ -93,3 +93,14 @@ def test_accumulation_suite_smoke():
     assert row["groups"] == 8 and row["in_loops_bytes"] == 0
     assert row["compiled_collective_bytes"] == row["predicted_collective_bytes"] > 0
     assert "| gpt batch 32 | 8 | 2 | autopar | once (8 shares) |" in accumulation.markdown(result)
+
+
+def test_pipeline_suite_smoke():
+    from benchmarks import pipeline
+    cases = {"2 stages": ({"stage": 2, "data": 4}, 4, 2)}
+    result = pipeline.run(cases, batch=16, config=dict(d_model=32, layers=2, vocab=64),
+                          log=lambda line: None)
+    (row,) = result["pipeline"]
+    assert row["permutes_in_loops"] >= 2 * (4 + 2 - 1) and row["permute_bytes"] > 0
+    assert row["bubble"] == 1 / 5 and row["compiled_memory_bytes"] > 0
+    assert "| 2 stages | 2x4 | 4 | 2 | 20% |" in pipeline.markdown(result)

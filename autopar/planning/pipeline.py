@@ -46,6 +46,7 @@ class Planning:
     problems: dict[MeshShape, dict] = field(default_factory=dict)  # built, unpriced, per mesh
     microbatches: int = 1  # the gradient accumulated over this many (autopar.accumulate)
     microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
+    pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
     # Under a memory limit, dynamic_programming proves the price search's answer where its
     # tables fit (budget.py); False keeps the prices' answer, found sooner.
     prove: bool = True
@@ -57,16 +58,17 @@ class Planning:
     def traced(cls, fn: Callable, args: Sequence[Any], hw: Hardware, search: str,
                annotations: Annotations = None, donated: frozenset[int] = frozenset(),
                platform: str | None = None, microbatches: int = 1,
-               microbatch_groups: int = 1) -> Planning:
+               microbatch_groups: int = 1, pipeline_stages: int = 1) -> Planning:
         """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
         estimate reads) for a compiler of `platform` (default: the hardware profile's);
-        `microbatches`, `microbatch_groups`: how `fn` accumulates its gradient, for the plan
-        to say."""
+        `microbatches`, `microbatch_groups`, `pipeline_stages`: how `fn` accumulates its
+        gradient, for the plan to say."""
         t0 = time.perf_counter()
         graph, in_tree, out_shape = trace(fn, args, donated)
         return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
                    annotations, buffer_model(platform or hw.platform), time.perf_counter() - t0,
-                   microbatches=microbatches, microbatch_groups=microbatch_groups)
+                   microbatches=microbatches, microbatch_groups=microbatch_groups,
+                   pipeline_stages=pipeline_stages)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
              ) -> tuple[Decisions, Plan]:
@@ -100,7 +102,8 @@ class Planning:
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.out_tree, memory_limit, self.buffers)
         return chosen.decisions, dataclasses.replace(
-            plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups)
+            plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups,
+            pipeline_stages=self.pipeline_stages)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:

@@ -1,0 +1,245 @@
+"""Pipeline parallelism: the loss's layer stack run as S stages over M microbatches, GPipe's
+schedule, in the one program autopar plans.
+
+`auto_parallel(..., pipeline=S, microbatches=M)` on a mesh with a `stage` axis of size S
+rewrites the loss that `autopar.value_and_grad` differentiates:
+- the stack is the loss's loop over layers (an `nn.scan`, a `lax.scan` over stacked weights)
+  whose length S divides: its per-layer inputs [L, ...] are laid out [S, L/S, ...], split over
+  the `stage` axis, so each stage's devices hold L/S consecutive layers;
+- what comes before the stack (the embedding) and after it (the head, the loss) runs once, on
+  the full batch, where the `stage` axis is free to split the batch as a data axis;
+- the stack's input is cut into M microbatches (examples j, j+M, ...), and a loop of M+S-1
+  ticks runs every stage at once (vmapped over the stage dimension): at tick t stage s computes
+  microbatch t-s, and its output moves to stage s+1 for the next tick (a shift along the split
+  dimension, which XLA compiles to a collective-permute);
+- the last stage's outputs are gathered once after the loop, and `jax.value_and_grad` of the
+  whole is GPipe's backward pass (the loop transposed, the shifts reversed).
+Ticks where a stage has no microbatch (the bubble, (S-1)/(M+S-1) of the stage's time) compute
+on stand-in values whose results are dropped; their inputs and weights pass through
+`where(valid, x, stop_gradient(x))`, so whatever they compute (a NaN from zeros, say) never
+reaches a gradient.
+
+The stack must keep examples apart (separable.py checks every operation of it), carry only
+per-example values, and leave its per-layer outputs unused; the rest of the loss must be a sum
+over microbatches as gradient accumulation requires. What is not so is refused with an
+AutoparError that names the operation.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import source_info_util
+from jax.extend.core import Literal, jaxpr_as_fun
+from jax.sharding import PartitionSpec
+
+from autopar.errors import AutoparError
+from autopar.microbatch_layout import regroup, strided, unstrided
+from autopar.separable import Separability
+from autopar.trace.shard import shard
+
+STAGE_AXIS = "stage"
+
+
+def check_pipeline(pipeline: int, microbatches: int | str, mesh: Any) -> None:
+    """An AutoparError unless `pipeline` is a stage count that `mesh` (a Mesh, a dict of axis
+    sizes; a device count has no 'stage' axis) has as its 'stage' axis, with an int
+    `microbatches` of at least 2 where it is more than 1."""
+    if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
+        raise AutoparError(f"pipeline={pipeline!r}: a stage count is needed (1: no pipeline).")
+    if pipeline == 1:
+        return
+    if not isinstance(microbatches, int) or microbatches < 2:
+        raise AutoparError(
+            f"pipeline={pipeline} streams microbatches through the stages, and microbatches="
+            f"{microbatches!r} was given. Fix: pass microbatches=M, M >= 2 (the bubble is "
+            f"(S-1)/(M+S-1) of each stage's time: M = {4 * pipeline} leaves "
+            f"{(pipeline - 1) / (5 * pipeline - 1):.0%}).")
+    sizes = (dict(mesh.shape) if hasattr(mesh, "shape") and hasattr(mesh, "axis_names")
+             else dict(mesh) if isinstance(mesh, dict) else {})
+    if sizes.get(STAGE_AXIS) != pipeline:
+        raise AutoparError(
+            f"pipeline={pipeline} splits the layers over a mesh axis named {STAGE_AXIS!r} of "
+            f"size {pipeline}, and the mesh is {sizes or mesh!r}. Fix: make the mesh with it, "
+            f"e.g. autopar.make_mesh({{{STAGE_AXIS!r}: {pipeline}, 'data': ...}}); put it "
+            "first, as the slowest links.")
+
+
+def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, args: tuple,
+                             argnums: int | Sequence[int], options: dict, stages: int,
+                             microbatches: int) -> Any:
+    """The loss's value and gradient, its layer stack pipelined (see the module's docstring).
+    `full`: the loss's jaxpr at the full batch; `analysis`: its separability."""
+    stack = _find_stack(analysis, full, stages)
+    flat = jax.tree_util.tree_leaves(args)
+    diff = analysis.diff_leaves
+
+    def loss(*diff_values: Any) -> tuple[Any, list]:
+        leaves = list(flat)
+        for k, v in zip(diff, diff_values):
+            leaves[k] = v
+
+        def run_stack(values: list) -> list:
+            kinds, micro = analysis.loops[id(stack)]
+            return _pipeline(stack, micro, kinds, values, stages, microbatches)
+        outs = _evaluate(full.jaxpr, list(full.consts), leaves, stack, run_stack)
+        return outs[0], outs
+
+    (_, outs), grads = jax.value_and_grad(loss, argnums=tuple(range(len(diff))), has_aux=True,
+                                          **options)(*[flat[k] for k in diff])
+    return jax.tree_util.tree_unflatten(out_tree, outs), regroup(grads, args, argnums)
+
+
+def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
+    """The loss's layer stack: its longest loop that keeps examples apart, carries only
+    per-example values and whose length `stages` divides."""
+    used_later = _used_after(full.jaxpr)
+    found, why = [], []
+    for eqn in full.jaxpr.eqns:
+        if eqn.primitive.name != "scan":
+            continue
+        p = eqn.params
+        length, ncarry = p["length"], p["num_carry"]
+        kinds = analysis.loops.get(id(eqn), (None,))[0]
+        where = f"the loop of {length} at {_source(eqn)}"
+        if kinds is None:
+            why.append(f"{where} mixes examples")
+        elif length % stages:
+            why.append(f"{where}: {stages} stages do not divide {length} layers")
+        elif any(k.batch is None for k in kinds[p["num_consts"]:p["num_consts"] + ncarry]):
+            why.append(f"{where} carries a value without the batch dimension")
+        elif any(k.batch is not None for k in kinds[p["num_consts"] + ncarry:]):
+            why.append(f"{where} loops over per-example values")
+        elif any(id(v) in used_later for v in eqn.outvars[ncarry:]):
+            why.append(f"{where} has per-layer outputs the loss uses")
+        else:
+            found.append((length * len(_open(p["jaxpr"]).eqns), eqn))
+    if not found:
+        raise AutoparError(
+            f"pipeline={stages} runs the loss's stack of layers as {stages} stages, and the "
+            "loss has no stack autopar can pipeline" + (f" ({'; '.join(why)})" if why else
+                                                          " (no loop over layers)") +
+            ". Fix: write the repeated layers as one nn.scan (or lax.scan over stacked "
+            f"weights) whose length {stages} divides, or train without pipeline=.")
+    return max(found, key=lambda f: f[0])[1]
+
+
+def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
+              microbatches: int) -> list:
+    """The stack equation's outputs, computed by the pipeline (`micro`: the equation traced
+    at one microbatch, whose body each stage runs)."""
+    p = eqn.params
+    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    s, m = stages, microbatches
+    body = jaxpr_as_fun(micro.params["jaxpr"])
+    consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
+    const_kinds, carry_kinds = kinds[:nc], kinds[nc:nc + ncarry]
+    size = jnp.shape(carry[0])[carry_kinds[0].batch]
+
+    def micro(v: Any, batch: int) -> Any:  # [.., B, ..] -> [M, B/M, ..]
+        return strided(jnp.moveaxis(v, batch, 0), m)
+
+    layers = [shard(jnp.reshape(x, (s, length // s, *jnp.shape(x)[1:])), PartitionSpec(STAGE_AXIS))
+              for x in xs]
+    inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
+    streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
+                if k.batch is not None}
+    stage_ids = jnp.arange(s)
+
+    def stage(layers_s: list, carry_s: list, streamed_s: dict, valid: Any) -> list:
+        def guard(x: Any) -> Any:  # the bubble's values reach no gradient
+            return jnp.where(valid, x, jax.lax.stop_gradient(x))
+        layers_s, carry_s = [guard(x) for x in layers_s], [guard(c) for c in carry_s]
+        consts_s = [jnp.moveaxis(streamed_s[i], 0, const_kinds[i].batch) if i in streamed_s
+                    else c for i, c in enumerate(consts)]
+
+        def layer(c: list, x: list) -> tuple[list, None]:
+            c = [jnp.moveaxis(v, 0, k.batch) for v, k in zip(c, carry_kinds)]
+            out = body(*consts_s, *c, *x)[:ncarry]
+            return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
+        return jax.lax.scan(layer, carry_s, layers_s)[0]
+
+    # Per tick and stage, [T, S, ...] split over the stage axis, laid out before the loop:
+    # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
+    # each stage computes. Inside the loop each stage reads its own (no collective), and the
+    # gradient of the first stage's inputs leaves the loop as one [T, S, ...] value.
+    ticks = m + s - 1
+    mb = jnp.arange(ticks)[:, None] - stage_ids[None, :]  # the microbatch of (tick, stage)
+    valid = (mb >= 0) & (mb < m)
+    index = jnp.clip(mb, 0, m - 1)
+    first = [_per_stage(jnp.where(_lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
+             for x in inputs]
+    streamed_xs = {i: _per_stage(v[index]) for i, v in streamed.items()}
+
+    def tick(state: list, xs: tuple) -> tuple[list, list]:
+        first_t, streamed_t, valid_t = xs
+        shifted = [jnp.where(_lead_mask(stage_ids == 0, f.ndim - 1), f, _shift(x))
+                   for f, x in zip(first_t, state)]
+        new = jax.vmap(stage)(layers, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t)
+        new = [_per_stage(x, 0) for x in new]
+        return new, new
+
+    state = [_per_stage(jnp.zeros((s, *x.shape[1:]), x.dtype), 0) for x in inputs]
+    _, outputs = jax.lax.scan(tick, state, (first, streamed_xs, valid))
+    # The last stage's outputs at ticks S-1 .. M+S-2 (microbatches 0 .. M-1, in order), taken
+    # by a sum over the stages masked to the last: an all-reduce of one stage's outputs, where
+    # indexing the split dimension gathers every stage's.
+    last = stage_ids == s - 1
+    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(_lead_mask(last, y.ndim - 2), y[s - 1:],
+                                                     0), axis=1), size), 0, k.batch)
+            for y, k in zip(outputs, carry_kinds)]
+    unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+    return outs + unused
+
+
+def _shift(x: Any) -> Any:
+    """Stage s's value moved to stage s+1 (zeros into the first): one pad by (1, -1), which
+    XLA compiles to a collective-permute where a concatenation of slices becomes two
+    all-to-alls (XLA CPU, jax 0.10.2)."""
+    return jax.lax.pad(x, jnp.zeros((), x.dtype), [(1, -1, 0)] + [(0, 0, 0)] * (x.ndim - 1))
+
+
+def _per_stage(x: Any, dim: int = 1) -> Any:
+    """`x` with its dimension `dim` (the stages') split over the stage axis."""
+    return shard(x, PartitionSpec(*[None] * dim, STAGE_AXIS))
+
+
+def _lead_mask(mask: Any, trailing: int) -> Any:
+    """`mask` with `trailing` unit dimensions after it, to broadcast against values."""
+    return jnp.reshape(mask, (*mask.shape, *[1] * trailing))
+
+
+def _evaluate(jaxpr: Any, consts: list, args: list, stack: Any, run_stack: Callable) -> list:
+    """`jaxpr` evaluated equation by equation, `stack`'s outputs from `run_stack`."""
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        if eqn is stack:
+            outs = run_stack(values)
+        else:
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+            outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _used_after(jaxpr: Any) -> set[int]:
+    """The ids of the variables some equation or the output reads."""
+    used = {id(v) for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in jaxpr.eqns:
+        used |= {id(v) for v in eqn.invars if not isinstance(v, Literal)}
+    return used
+
+
+def _open(jaxpr: Any) -> Any:
+    return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr
+
+
+def _source(eqn: Any) -> str:
+    return source_info_util.summarize(eqn.source_info)
