@@ -19,7 +19,7 @@ from autopar.cost.memory import parse_bytes
 from autopar.cost.xla import buffer_model
 from autopar.errors import AutoparError
 from autopar.lower import jit_step
-from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_shape
+from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
 from autopar.microbatching import check_microbatches, planned_within
 from autopar.pipeline_parallel import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
@@ -77,7 +77,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
 
     with young_objects_only():
         return planned_within(call, microbatches, batch_argnums, traced,
-                              _mesh_or_count(mesh), limit, pipeline)[2]
+                              mesh_or_count(mesh), limit, pipeline)[2]
 
 
 def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
@@ -103,17 +103,6 @@ def compiler_platform(mesh: Any, hw: Hardware) -> str:
     if isinstance(mesh, (str, int)) and not isinstance(mesh, bool):
         return jax.devices()[0].platform
     return hw.platform
-
-
-def _mesh_or_count(mesh: Any) -> MeshShape | int:
-    if isinstance(mesh, str):
-        if mesh != "auto":
-            raise AutoparError(f"mesh={mesh!r} is not understood. Fix: pass a Mesh, a dict of "
-                               "axis sizes, a device count or 'auto'.")
-        return len(jax.devices())
-    if isinstance(mesh, int) and not isinstance(mesh, bool):
-        return mesh
-    return mesh_shape(mesh)
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -156,9 +145,8 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     `microbatches="auto"`: the fewest microbatches whose plan fits `memory_limit`.
 
     `pipeline=S` (with `microbatches=M`, on a mesh with a 'stage' axis of size S) runs the
-    loss's stack of layers (an nn.scan, or a lax.scan over stacked weights) as S pipeline
-    stages over the M microbatches, GPipe's schedule in the one program (see
-    autopar/pipeline_parallel.py); the rest of the step runs once, on the full batch.
+    loss's layer stack (an nn.scan, a lax.scan over stacked weights) as S GPipe stages over
+    the M microbatches in the one program (pipeline_parallel.py); the rest runs once.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
@@ -240,7 +228,7 @@ class AutoParallel:
             microbatches = saved.microbatches
         self.microbatches, self.batch_argnums = microbatches, batch_argnums
         self.stages = saved.pipeline_stages if saved is not None else pipeline
-        self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else _mesh_or_count(mesh)
+        self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else mesh_or_count(mesh)
         # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
         self.platform = compiler_platform(mesh, hw)
         if saved is not None and not isinstance(mesh, Mesh):

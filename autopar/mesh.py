@@ -85,3 +85,15 @@ def mesh_shape(mesh: Any) -> MeshShape:
         f"mesh must be a jax Mesh, an AbstractMesh or a dict of axis sizes, got {type(mesh).__name__}. "
         "Fix: autopar.make_mesh({'data': 2, 'model': 4})."
     )
+
+
+def mesh_or_count(mesh: Any) -> MeshShape | int:
+    """A mesh's shape, or a device count (an int, or "auto": all of jax.devices())."""
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise AutoparError(f"mesh={mesh!r} is not understood. Fix: pass a Mesh, a dict of "
+                               "axis sizes, a device count or 'auto'.")
+        return len(jax.devices())
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        return mesh
+    return mesh_shape(mesh)

@@ -30,13 +30,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend import source_info_util
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
 from autopar.microbatch_layout import regroup, strided, unstrided
-from autopar.separable import Separability
+from autopar.separable import Separability, eqn_source
 from autopar.trace.shard import shard
 
 STAGE_AXIS = "stage"
@@ -102,7 +101,7 @@ def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
         p = eqn.params
         length, ncarry = p["length"], p["num_carry"]
         kinds = analysis.loops.get(id(eqn), (None,))[0]
-        where = f"the loop of {length} at {_source(eqn)}"
+        where = f"the loop of {length} at {eqn_source(eqn)}"
         if kinds is None:
             why.append(f"{where} mixes examples")
         elif length % stages:
@@ -114,7 +113,7 @@ def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
         elif any(id(v) in used_later for v in eqn.outvars[ncarry:]):
             why.append(f"{where} has per-layer outputs the loss uses")
         else:
-            found.append((length * len(_open(p["jaxpr"]).eqns), eqn))
+            found.append((length * len(p["jaxpr"].jaxpr.eqns), eqn))
     if not found:
         raise AutoparError(
             f"pipeline={stages} runs the loss's stack of layers as {stages} stages, and the "
@@ -235,11 +234,3 @@ def _used_after(jaxpr: Any) -> set[int]:
     for eqn in jaxpr.eqns:
         used |= {id(v) for v in eqn.invars if not isinstance(v, Literal)}
     return used
-
-
-def _open(jaxpr: Any) -> Any:
-    return jaxpr.jaxpr if hasattr(jaxpr, "consts") else jaxpr
-
-
-def _source(eqn: Any) -> str:
-    return source_info_util.summarize(eqn.source_info)

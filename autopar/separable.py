@@ -98,7 +98,7 @@ class Separability:
             if name != em.primitive.name:
                 raise AutoparError("the loss traces to other operations at a microbatch than at "
                                    "the full batch: its code depends on the batch size.")
-            where = f"{name} at {_source(ef)}" if _source(ef) else name
+            where = f"{name} at {eqn_source(ef)}" if eqn_source(ef) else name
             kinds = [kind(v) for v in ef.invars]
             dep = any(k.dep for k in kinds)
             outs = [self._kind(f.aval, m.aval, dep, f"the result of {where}")
@@ -290,7 +290,7 @@ def _open(jaxpr: Any) -> tuple[Any, list]:
     return jaxpr, []
 
 
-def _source(eqn: Any) -> str:
+def eqn_source(eqn: Any) -> str:
     return source_info_util.summarize(eqn.source_info)
 
 
