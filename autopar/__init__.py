@@ -5,8 +5,11 @@ the mesh, with a strategy chosen by search under a cost model, readable as a `Pl
 """
 from autopar.accumulate import grad, value_and_grad
 from autopar.api import AutoParallel, auto_parallel, plan
-from autopar.cost.hardware import PROFILES, Hardware, measure_host
+from autopar.checkpoint import checkpoint_plan, restore_checkpoint, save_checkpoint
+from autopar.cost.calibrate import calibrate
+from autopar.cost.hardware import PROFILES, Hardware, load_hardware, measure_host
 from autopar.cost.judge import Evaluation, evaluate
+from autopar.distributed import global_batch, is_main_process, process_rows
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import make_mesh
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
@@ -14,7 +17,8 @@ from autopar.planning.problem import AutoparWarning
 from autopar.trace.shard import shard
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "grad",
-           "PROFILES", "Hardware", "measure_host", "AutoparError", "MemoryLimitError",
+           "PROFILES", "Hardware", "measure_host", "calibrate", "load_hardware", "AutoparError", "MemoryLimitError",
            "Evaluation", "evaluate", "AutoparWarning", "make_mesh", "OpDecision", "Plan",
-           "Redistribution", "TensorPlan", "load_plan"]
+           "Redistribution", "TensorPlan", "load_plan", "save_checkpoint", "restore_checkpoint",
+           "checkpoint_plan", "process_rows", "global_batch", "is_main_process"]
 __version__ = "0.1.0"

@@ -15,8 +15,9 @@ from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.estimate import mib
-from autopar.cost.memory import parse_bytes
 from autopar.cost.xla import buffer_model
+from autopar.devices import compiler_platform, resolve_memory_limit
+from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
@@ -78,31 +79,6 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     with young_objects_only():
         return planned_within(call, microbatches, batch_argnums, traced,
                               mesh_or_count(mesh), limit, pipeline)[2]
-
-
-def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
-                         mesh: Any = None) -> int:
-    """Bytes per device: the given limit, else the runtime's memory of the mesh's first
-    device, else the hardware profile's."""
-    if memory_limit is not None:
-        return parse_bytes(memory_limit)
-    device = None
-    if isinstance(mesh, Mesh):
-        device = mesh.devices.flat[0]
-    elif isinstance(mesh, (str, int)) and not isinstance(mesh, bool):  # "auto" or a count
-        device = jax.devices()[0]
-    stats = device.memory_stats() if device is not None else None
-    return int((stats or {}).get("bytes_limit") or hw.memory_bytes)
-
-
-def compiler_platform(mesh: Any, hw: Hardware) -> str:
-    """The platform whose compiler will build the step: the mesh's devices' where it has
-    devices (a Mesh; a count or 'auto': jax's devices), else the hardware profile's."""
-    if isinstance(mesh, Mesh):
-        return mesh.devices.flat[0].platform
-    if isinstance(mesh, (str, int)) and not isinstance(mesh, bool):
-        return jax.devices()[0].platform
-    return hw.platform
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -243,9 +219,18 @@ class AutoParallel:
     def _compiled(self, call: Call, key: Any = None) -> _Signature:
         key = call.key() if key is None else key
         if key not in self._cache:
+            # several processes: each plans the same program, or all stop here (distributed.py)
+            agree("the step's call", call_items(call, self._options()))
             with young_objects_only():
-                self._cache[key] = self._make(call)
+                self._cache[key] = made = self._make(call)
+            agree("the plan made from that call", decisions_items(made.decisions))
         return self._cache[key]
+
+    def _options(self) -> dict[str, Any]:
+        return {"mesh": self.requested, "search": self.search, "hardware": self.hw,
+                "plan": self.saved, "annotations": self.annotations,
+                "memory_limit": self.memory_limit, "microbatches": self.microbatches,
+                "batch_argnums": self.batch_argnums, "pipeline": self.stages}
 
     def _make(self, call: Call) -> _Signature:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
@@ -372,8 +357,8 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         made = self._compiled(call, key)
-        placed = place(call.leaves, [NamedSharding(made.mesh, to_partition_spec(s))
-                                     for s in made.decisions.inputs], call.donated)
+        placed = place(call, [NamedSharding(made.mesh, to_partition_spec(s))
+                              for s in made.decisions.inputs])
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
@@ -381,6 +366,19 @@ class AutoParallel:
                 outs = made.jitted(*placed)
             self._called.add(key)
         return jax.tree_util.tree_unflatten(made.out_tree, outs)
+
+    def input_shardings(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """Where the step wants its arguments, as jax's Compiled.input_shardings: (positional,
+        keyword), each argument a pytree of NamedSharding (None for a static one). Arguments
+        may be ShapeDtypeStructs. For the batch: autopar.process_rows, autopar.global_batch."""
+        call = self._call(args, kwargs)
+        made = self._compiled(call)
+        leaves = iter(NamedSharding(made.mesh, to_partition_spec(s))
+                      for s in made.decisions.inputs)
+        by_slot = {w: t.unflatten([next(leaves) for _ in range(t.num_leaves)])
+                   for w, t in zip(call.slots, call.trees)}
+        return (tuple(by_slot.get(i) for i in range(len(args))),
+                {name: by_slot.get(name) for name in kwargs})
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStruct); nothing is run."""

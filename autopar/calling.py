@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from autopar.distributed import multiprocess, place_everywhere
 from autopar.errors import AutoparError, collect_errors
 from autopar.trace.tracer import argument_names, path_to_str
 
@@ -114,6 +115,13 @@ class Call:
         """The traced arguments' names (read from fn's signature only when needed)."""
         positional = argument_names(self.fn, self.positional)
         return [positional[w] if isinstance(w, int) else w for w in self.slots]
+
+    @functools.cached_property
+    def paths(self) -> list[str]:
+        """Each leaf's path, as the plan names it: the argument's name, then its pytree path."""
+        return ["/".join(p for p in (name, path_to_str(keys)) if p)
+                for name, value in zip(self.names, self.traced)
+                for keys, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
 
     def _check(self) -> None:
         """Static values must be hashable and traced leaves arrays or numbers, as jax.jit
@@ -232,10 +240,9 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def place(leaves: Sequence[Any], shardings: Sequence[NamedSharding], donated: Any
-          ) -> list[Any]:
-    """Put the inputs where the plan wants them: those not there already, in one batched
-    device_put.
+def place(call: Call, shardings: Sequence[NamedSharding]) -> list[Any]:
+    """Put the call's inputs where the plan wants them: those not there already, in one
+    batched device_put (several processes: distributed.place_everywhere).
 
     An array in host memory (the CPU platform's) is sliced from a numpy view of it: from a
     device array, device_put compiles a slicing program per shape and sharding (a 4-layer
@@ -243,17 +250,22 @@ def place(leaves: Sequence[Any], shardings: Sequence[NamedSharding], donated: An
     is copied first: device_put reuses the caller's buffer for a shard that is the whole
     array (a replicated leaf, such as optax's scalar count), and donating the mesh array would
     then delete the caller's."""
+    leaves = call.leaves
     placed = list(leaves)
     moves = [k for k, (x, sharding) in enumerate(zip(leaves, shardings))
              if not (isinstance(x, jax.Array) and x.sharding == sharding)]
     if not moves:
+        return placed
+    if multiprocess():
+        for k, x in place_everywhere(leaves, shardings, moves, call.paths).items():
+            placed[k] = x
         return placed
     sources = []
     for k in moves:
         x = leaves[k]
         if isinstance(x, jax.Array) and _in_host_memory(x):
             x = np.asarray(x)
-        elif isinstance(x, jax.Array) and k in donated:
+        elif isinstance(x, jax.Array) and k in call.donated:
             x = jax.numpy.array(x, copy=True)
         sources.append(x)
     for k, x in zip(moves, jax.device_put(sources, [shardings[k] for k in moves])):

@@ -32,6 +32,10 @@ class Decisions:
         return specs
 
 
+# search_stats' wall-clock entries, left out of the JSON and of equality
+WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s"})
+
+
 @dataclass(frozen=True)
 class TensorPlan:
     """The sharding of one input or output of the step."""
@@ -130,7 +134,7 @@ class Plan:
     outputs: tuple[TensorPlan, ...]
     ops: tuple[OpDecision, ...] = field(compare=False)
     cost: dict[str, float] = field(hash=False)
-    search_stats: dict[str, Any] = field(hash=False, default_factory=dict)
+    search_stats: dict[str, Any] = field(hash=False, compare=False, default_factory=dict)
     redistributions: tuple[Redistribution, ...] = ()
     in_tree: Any = field(default=None, compare=False, hash=False, repr=False)
     out_tree: Any = field(default=None, compare=False, hash=False, repr=False)
@@ -151,7 +155,13 @@ class Plan:
             return NotImplemented
         compared = [f.name for f in dataclasses.fields(self) if f.compare]
         return (all(getattr(self, n) == getattr(other, n) for n in compared)
-                and self.decisions == other.decisions)
+                and self.decisions == other.decisions
+                and self.stable_stats() == other.stable_stats())
+
+    def stable_stats(self) -> dict[str, Any]:
+        """search_stats without its wall-clock seconds: what the same problem reproduces, on
+        any machine and in every process (the JSON holds these)."""
+        return {k: v for k, v in self.search_stats.items() if k not in WALL_CLOCK}
 
     @functools.cached_property
     def decisions(self) -> tuple[Decision | Repeat, ...]:
@@ -242,7 +252,10 @@ class Plan:
                                "by Plan.save or Plan.to_json.") from e
 
     def save(self, path: str, detail: bool = False) -> None:
-        """Write the plan's JSON (compact; `detail` adds every operator) to `path`."""
+        """Write the plan's JSON (compact; `detail` adds every operator) to `path`. In several
+        processes (jax.distributed) only process 0 writes: every process holds the same plan."""
+        if jax.process_index() != 0:
+            return
         with open(path, "w") as f:
             f.write(self.to_json(detail))
 

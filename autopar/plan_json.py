@@ -279,7 +279,7 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
         "decisions": [decision_json(d) for d in plan.decisions],
         "cost": plan.cost,
         "memory": plan.memory,
-        "search_stats": plan.search_stats,
+        "search_stats": plan.stable_stats(),
         "recompute": list(plan.recompute),
         "redistributions": [redistribution_json(r) for r in plan.redistributions],
     }

@@ -8,8 +8,10 @@ axes runs at the slowest of their links.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
@@ -58,6 +60,44 @@ class Hardware:
     def link_levels(self) -> tuple[LinkLevel, ...]:
         """The levels, fastest first; one level of any size where the profile gives none."""
         return self.levels or (LinkLevel("link", 0, self.link_bandwidth, self.link_latency),)
+
+    def to_json(self) -> str:
+        """Every field as JSON; `Hardware.from_json` / `load_hardware` read it back equal."""
+        return json.dumps({"format": HARDWARE_FORMAT, **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Hardware":
+        """The profile `to_json` wrote (KeyError, TypeError, ValueError on a malformed one)."""
+        body = json.loads(text)  # a hand-written profile may leave out 'format'
+        if not isinstance(body, dict) or body.pop("format", HARDWARE_FORMAT) != HARDWARE_FORMAT:
+            raise ValueError(f"not an autopar hardware profile ('format': {HARDWARE_FORMAT!r})")
+        levels = tuple(LinkLevel(str(lv["name"]), int(lv["devices"]), float(lv["bandwidth"]),
+                                 float(lv["latency"])) for lv in body.pop("levels", ()))
+        placed = tuple((str(axis), str(level)) for axis, level in body.pop("axis_levels", ()))
+        numbers = {k: float(body.pop(k)) for k in
+                   ("flops", "memory_bandwidth", "link_bandwidth", "link_latency")}
+        return cls(name=str(body.pop("name")), memory_bytes=int(body.pop("memory_bytes")),
+                   levels=levels, axis_levels=placed, **numbers,
+                   **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
+
+    def save(self, path: "str | os.PathLike") -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+
+HARDWARE_FORMAT = "autopar.hardware/1"
+
+
+def load_hardware(path: "str | os.PathLike") -> Hardware:
+    """A profile saved by `Hardware.save` (or `autopar.calibrate(..., path=)`)."""
+    try:
+        with open(path) as f:
+            return Hardware.from_json(f.read())
+    except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise AutoparError(
+            f"cannot read the hardware profile {os.fspath(path)!r}: {type(e).__name__}: {e}. "
+            "Fix: pass the path of a file written by Hardware.save() or "
+            "autopar.calibrate(mesh, path=...), or a profile name.") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -132,17 +172,22 @@ PROFILES: dict[str, Hardware] = {
 }
 
 
-def get_profile(hardware: "str | Hardware | None") -> Hardware:
-    """A profile by name, the given one, or (None) the one matching jax's first device."""
+def get_profile(hardware: "str | os.PathLike | Hardware | None") -> Hardware:
+    """A profile by name, from a JSON file (a path to an existing file, or one ending in
+    '.json'), the given one, or (None) the one matching jax's first device."""
     if isinstance(hardware, Hardware):
         return hardware
     if hardware is None:
         hardware = default_profile_name()
-    if hardware not in PROFILES:
-        raise AutoparError(
-            f"unknown hardware profile {hardware!r}. Fix: use one of {sorted(PROFILES)} or pass "
-            "an autopar.Hardware(...) with your device's numbers.")
-    return PROFILES[hardware]
+    if isinstance(hardware, str) and hardware in PROFILES:
+        return PROFILES[hardware]
+    if isinstance(hardware, os.PathLike) or (isinstance(hardware, str) and (
+            hardware.endswith(".json") or os.path.isfile(hardware))):
+        return load_hardware(hardware)
+    raise AutoparError(
+        f"unknown hardware profile {hardware!r}. Fix: use one of {sorted(PROFILES)}, the path "
+        "of a JSON profile (autopar.calibrate(mesh, path=...)), or pass an autopar.Hardware(...) "
+        "with your device's numbers.")
 
 
 def default_profile_name() -> str:

@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 import autopar_search as search
@@ -130,7 +131,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
         rule = canonical(rule)
         units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
                           op_signature(op, graph.tensors, facts)))
-    for primitive, sources in missing.items():
+    for primitive, sources in missing.items() if jax.process_index() == 0 else ():
         named = sorted({s for s in sources if s}) or ["inside a jax function"]
         where = "; ".join(named[:3]) + (" ..." if len(named) > 3 else "")
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "

@@ -1,0 +1,46 @@
+"""What the devices at hand say: their compiler's platform and their memory.
+
+In several processes (jax.distributed) a mesh holds every process's devices, and only a
+process's own devices answer its questions (memory_stats), so the local ones are asked.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from autopar.cost.hardware import Hardware
+from autopar.cost.memory import parse_bytes
+
+
+def local_device(mesh: Any) -> Any:
+    """One of this process's devices in `mesh` (a Mesh), or of jax's for a count or 'auto';
+    None for a mesh of no devices (a dict of axis sizes, an AbstractMesh)."""
+    if isinstance(mesh, Mesh):
+        here = jax.process_index()
+        return next((d for d in mesh.devices.flat if d.process_index == here), None)
+    if isinstance(mesh, (str, int)) and not isinstance(mesh, bool):  # "auto" or a count
+        return jax.local_devices()[0]
+    return None
+
+
+def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
+                         mesh: Any = None) -> int:
+    """Bytes per device: the given limit, else the runtime's memory of the mesh's devices (the
+    first one of this process), else the hardware profile's."""
+    if memory_limit is not None:
+        return parse_bytes(memory_limit)
+    device = local_device(mesh)
+    stats = device.memory_stats() if device is not None else None
+    return int((stats or {}).get("bytes_limit") or hw.memory_bytes)
+
+
+def compiler_platform(mesh: Any, hw: Hardware) -> str:
+    """The platform whose compiler will build the step: the mesh's devices' where it has
+    devices (a Mesh; a count or 'auto': jax's devices), else the hardware profile's."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    if isinstance(mesh, (str, int)) and not isinstance(mesh, bool):
+        return jax.devices()[0].platform
+    return hw.platform
