@@ -7,7 +7,8 @@ Each process is what one host of a cluster runs: it joins JAX's distributed runt
 own rows of every batch (`autopar.process_rows`), makes the global batch
 (`autopar.global_batch`) and calls the same decorated step. autopar plans in every process and
 checks that the plans agree. After training, the state is saved as a sharded checkpoint (each
-process writes its shards) and restored into the plan of a 4 x 2 mesh.
+process writes its shards) and restored into the plan of a 4 x 2 mesh, and the links of the
+mesh's axes are measured (`autopar.calibrate`; every process gets the same numbers).
 
 `--differ shape` or `--differ values` makes process 1 pass a different batch, to show the error
 every process then raises. `--out DIR` writes each process's results there (the tests read them).
@@ -107,8 +108,14 @@ def worker(args: argparse.Namespace) -> int:
     again = multihost_utils.process_allgather(restored, tiled=True)
     out["restored_equal"] = all(np.array_equal(a, b) for a, b in
                                 zip(jax.tree.leaves(gathered), jax.tree.leaves(again)))
+    # links measured per mesh axis: the data axis crosses the processes, the model axis not
+    hw = autopar.calibrate(mesh, sizes=(2**12, 2**16, 2**20), repeats=2, progress=False)
+    out["calibrated"] = hw.to_json()
     _write(args, out, jax.tree.leaves(gathered))
     if autopar.is_main_process():
+        links = ", ".join(f"{level.name} alpha {level.latency * 1e6:.0f} us, beta "
+                          f"{level.bandwidth / 1e9:.2f} GB/s" for level in hw.levels)
+        print(f"calibrated links: {links}")
         print(f"{PROCESSES} processes x {LOCAL_DEVICES} devices: losses "
               f"{', '.join(f'{x:.4f}' for x in losses)}; this process loaded rows "
               f"{rows.start}-{rows.stop - 1} of each batch; plans agree; "

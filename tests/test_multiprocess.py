@@ -1,8 +1,9 @@
 """Several processes (JAX's distributed runtime, 2 processes x 4 CPU devices on localhost, gloo
 collectives): the same decorated step trains as it does on one device, the processes' plans
 are byte-identical, each loads only its rows of the batch, a sharded checkpoint restores into
-another mesh, and an input that differs between processes stops every process with the same
-AutoparError. The processes are examples/multihost.py's."""
+another mesh, a calibration gives every process the same profile, and an input that differs
+between processes stops every process with the same AutoparError. The processes are
+examples/multihost.py's."""
 import json
 import os
 import subprocess
@@ -44,6 +45,11 @@ def test_two_processes_train_as_one_device(tmp_path):
     # each loaded its own half of the batch (the data axis spans the processes)
     assert (p0["rows"], p1["rows"]) == ([0, 8], [8, 16])
     assert p0["restored_equal"] and p1["restored_equal"]
+    # calibrated together, the processes plan with the same profile: process 0's numbers
+    assert p0["calibrated"] == p1["calibrated"]
+    links = autopar.Hardware.from_json(p0["calibrated"]).levels
+    assert {lv.name for lv in links} == {"axis:data", "axis:model"}
+    assert all(lv.latency > 0 and lv.bandwidth > 0 for lv in links)
 
     step, state, batch = models.gpt_setup(batch=16, seq=16, vocab=128, d_model=32, heads=4,
                                           layers=2)
