@@ -3,7 +3,7 @@
 Decorate an ordinary single-device step with `auto_parallel(mesh=...)` and it runs sharded over
 the mesh, with a strategy chosen by search under a cost model, readable as a `Plan`.
 """
-from autopar.accumulate import grad, value_and_grad
+from autopar.schedule.accumulate import grad, value_and_grad
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.checkpoint import checkpoint_plan, restore_checkpoint, save_checkpoint
 from autopar.cost.calibrate import calibrate

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.accumulate import step_of
+from autopar.schedule.accumulate import step_of
 from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
@@ -21,8 +21,8 @@ from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
-from autopar.microbatching import check_microbatches, planned_within
-from autopar.pipeline_parallel import check_pipeline
+from autopar.schedule.microbatches import check_microbatches, planned_within
+from autopar.schedule.gpipe import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
@@ -112,17 +112,14 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     array is never deleted.
 
     `microbatches=M` accumulates the gradient over M microbatches of the batch (the positional
-    arguments `batch_argnums`, by default the last, split along their first dimension): the
-    step's `autopar.value_and_grad` (or `autopar.grad`, in place of jax's) runs on one
-    microbatch after the other and adds up their losses and gradients, and the rest of the
-    step runs once. The sums equal the full batch's, masked and token-weighted losses
-    included; a loss that is not a sum over microbatches (batch statistics, in-batch
-    negatives) is refused with the operation that makes it so (autopar/accumulate.py).
-    `microbatches="auto"`: the fewest microbatches whose plan fits `memory_limit`.
+    arguments `batch_argnums`, by default the last, split along their first dimension; "auto":
+    the fewest that fit `memory_limit`): the step's `autopar.value_and_grad` (or `grad`) runs
+    on one after the other and the rest of the step once, on the sums; a loss that is not a
+    sum over microbatches is refused, naming the operation (schedule/accumulate.py).
 
     `pipeline=S` (with `microbatches=M`, on a mesh with a 'stage' axis of size S) runs the
     loss's layer stack (an nn.scan, a lax.scan over stacked weights) as S GPipe stages over
-    the M microbatches in the one program (pipeline_parallel.py); the rest runs once.
+    the M microbatches in the one program (schedule/gpipe.py); the rest runs once.
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
@@ -131,11 +128,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                                  donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                                  microbatches=microbatches, batch_argnums=batch_argnums,
                                  pipeline=pipeline)
-    if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
-        raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
-                           f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
-                           "4}); to plan for devices you do not have, use autopar.plan(fn, "
-                           "*args, mesh={...}).")
+    _check_real_mesh(mesh)
     _check_search(search)
     check_annotations_type(annotations)
     check_microbatches(microbatches)
@@ -162,6 +155,14 @@ def _saved_plan(plan: Plan | str | os.PathLike | None, annotations: Annotations)
                            f"saved one, got {type(plan).__name__}. Fix: plan=autopar.load_plan("
                            "path), or plan=path.")
     return plan
+
+
+def _check_real_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, (Mesh, str, int)) or isinstance(mesh, bool):
+        raise AutoparError(f"auto_parallel needs a jax Mesh of real devices, a device count or "
+                           f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
+                           "4}); to plan for devices you do not have, use autopar.plan(fn, "
+                           "*args, mesh={...}).")
 
 
 def _check_search(search: str) -> None:

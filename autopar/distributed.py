@@ -24,13 +24,17 @@ from __future__ import annotations
 import hashlib
 import json
 from importlib.metadata import version
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from autopar.errors import AutoparError
+
+if TYPE_CHECKING:  # the modules that call in here; types only
+    from autopar.calling import Call
+    from autopar.plan import Decisions
 
 MULTIPROCESS_FIX = ("Fix: call the step on every process with the same global shapes, static "
                     "values and options; pass a per-process batch as a global array built by "
@@ -64,10 +68,10 @@ def agree(subject: str, items: Sequence[tuple[str, str]]) -> None:
     texts = _allgather(padded)
     per_process = [dict(json.loads(bytes(row[:n]).decode()))
                    for row, n in zip(texts, lengths)]
-    raise AutoparError(_disagreement(subject, per_process))
+    raise AutoparError(disagreement(subject, per_process))
 
 
-def _disagreement(subject: str, per_process: list[dict[str, str]]) -> str:
+def disagreement(subject: str, per_process: list[dict[str, str]]) -> str:
     """The first item whose description is not the same on every process, by process."""
     names: list[str] = []
     for items in per_process:
@@ -89,7 +93,7 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
-def call_items(call: Any, options: dict[str, Any]) -> list[tuple[str, str]]:
+def call_items(call: Call, options: dict[str, Any]) -> list[tuple[str, str]]:
     """What a call's plan depends on, as (name, description) items: versions, options, static
     values, and each traced leaf's path, dtype and shape. Built only in several processes."""
     if not multiprocess():
@@ -100,7 +104,7 @@ def call_items(call: Any, options: dict[str, Any]) -> list[tuple[str, str]]:
     return items + [(path, describe(x)) for path, x in zip(call.paths, call.leaves)]
 
 
-def decisions_items(decisions: Any) -> list[tuple[str, str]]:
+def decisions_items(decisions: Decisions) -> list[tuple[str, str]]:
     """A plan's decisions as one digest item (equal inputs must give equal decisions)."""
     if not multiprocess():
         return []

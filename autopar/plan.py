@@ -142,11 +142,11 @@ class Plan:
     # the largest buffers then, and the limit planned for
     memory: dict[str, Any] = field(hash=False, default_factory=dict)
     recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
-    microbatches: int = 1  # the gradient accumulated over this many microbatches (accumulate.py)
+    microbatches: int = 1  # the gradient accumulated over this many (schedule/accumulate.py)
     # each microbatch computed as this many shares, one per device group along the batch's
     # axes, their gradients summed once after the loop (1: reduced in every microbatch)
     microbatch_groups: int = 1
-    pipeline_stages: int = 1  # stages of the loss's layer stack (pipeline_parallel.py)
+    pipeline_stages: int = 1  # stages of the loss's layer stack (schedule/gpipe.py)
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 

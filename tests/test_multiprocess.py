@@ -17,7 +17,7 @@ from helpers import copy_tree, float_leaves, global_relative_error, run_steps
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
-from autopar.distributed import _disagreement
+from autopar.distributed import disagreement
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "multihost.py")
 
@@ -87,11 +87,11 @@ def test_a_different_input_stops_every_process(tmp_path, differ, shows):
 
 
 def test_disagreement_names_the_first_differing_item():
-    message = _disagreement("the step's call", [
+    message = disagreement("the step's call", [
         {"jax version": "0.10.2", "state/w": "float32[4, 4]"},
         {"jax version": "0.10.2", "state/w": "float32[4, 8]", "extra": "int32[2]"}])
     assert "'state/w' differs (process 0: float32[4, 4]; process 1: float32[4, 8])" in message
-    missing = _disagreement("x", [{"a": "1"}, {"a": "1", "b": "2"}])
+    missing = disagreement("x", [{"a": "1"}, {"a": "1", "b": "2"}])
     assert "'b' differs (process 0: (absent); process 1: 2)" in missing
 
 

@@ -272,7 +272,8 @@ class _Walk:
     def loops(self) -> list[Buffer]:
         """A loop's body runs inside its step: its values, the fused ones aside, held while
         the step runs. Counted without reuse, which bounds what the compiler keeps (an
-        accumulated gradient's loop is a whole forward and backward pass: see accumulate.py)."""
+        accumulated gradient's loop is a whole forward and backward pass: see
+        schedule/accumulate.py)."""
         graph, out = self.graph, []
         fused = value_facts(graph).fused
         for i, ids in graph.loop_ops.items():

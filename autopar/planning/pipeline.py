@@ -44,7 +44,7 @@ class Planning:
     trace_s: float
     units: list[Unit] = field(init=False)
     problems: dict[MeshShape, dict] = field(default_factory=dict)  # built, unpriced, per mesh
-    microbatches: int = 1  # the gradient accumulated over this many (autopar.accumulate)
+    microbatches: int = 1  # the gradient accumulated over this many (autopar.schedule.accumulate)
     microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
     pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
     # Under a memory limit, dynamic_programming proves the price search's answer where its

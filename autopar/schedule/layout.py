@@ -1,5 +1,5 @@
 """How a batch is laid out in microbatches (and shares), and the gradients' trees: what the
-accumulation loop (accumulate.py) and the pipeline (pipeline_parallel.py) share."""
+accumulation loop (accumulate.py) and the pipeline (gpipe.py) share."""
 from __future__ import annotations
 
 from typing import Any, Sequence

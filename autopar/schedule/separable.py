@@ -351,7 +351,8 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
         else:
             if action[:1] == ("affine",):
                 values = [v / m if i in action[1] else v for i, v in enumerate(values)]
-            with em.ctx.manager:
+            # the user's line stays the equation's source (plans and errors name it)
+            with em.ctx.manager, source_info_util.user_context(em.source_info.traceback):
                 out = em.primitive.bind(*values, **em.primitive.get_bind_params(em.params))
             outs = out if em.primitive.multiple_results else [out]
         if record is not None and id(ef) in wanted:

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import jax
 from jax.sharding import PartitionSpec
 
-from autopar.accumulate import batch_size, step_of
+from autopar.schedule.accumulate import batch_size, step_of
 from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
-from autopar.plan import Decisions, Plan
-from autopar.planning.pipeline import Planning
+
+if TYPE_CHECKING:  # planning hands its results in through `traced`: types only
+    from autopar.plan import Decisions, Plan
+    from autopar.planning.pipeline import Planning
 
 T = TypeVar("T")
 
@@ -45,7 +47,7 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
     on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
     loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
-    why not). With `stages`, the loss's layer stack pipelined (pipeline_parallel.py), no
+    why not). With `stages`, the loss's layer stack pipelined (gpipe.py), no
     shares."""
     def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
         planning = traced(step_of(call, m, batch_argnums, 1, stages), m, 1, stages)

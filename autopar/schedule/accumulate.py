@@ -24,7 +24,7 @@ size, where one would do). With `groups=G` each microbatch is computed as G shar
 (vmapped), share g holding the examples that the g-th of G device groups along the batch's axes
 keeps; the loop carries one sum per share ([G, ...], split like the batch), which needs no
 reduction, and the shares are added once after the loop. G is the product of the mesh axes
-that split the batch in a plan made first without groups (`microbatching.py`).
+that split the batch in a plan made first without groups (`schedule/microbatches.py`).
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ import jax.numpy as jnp
 
 from autopar.calling import Call
 from autopar.errors import AutoparError
-from autopar.microbatch_layout import (diff_leaves, grads_shape, lead, regroup, strided,
+from autopar.schedule.layout import (diff_leaves, grads_shape, lead, regroup, strided,
                                        strided_dim, unstrided)
-from autopar.pipeline_parallel import pipelined_value_and_grad
-from autopar.separable import Separability, evaluate, hoisted_values
+from autopar.schedule.gpipe import pipelined_value_and_grad
+from autopar.schedule.separable import Separability, evaluate, hoisted_values
 
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
     "autopar_accumulation", default=None)
@@ -83,7 +83,7 @@ def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int],
             groups: int = 1, stages: int = 1) -> Callable:
     """The step autopar traces: the call's, its gradient accumulated over `microbatches`
     (kept per share of `groups` device groups, see the module's docstring), or its loss's
-    layer stack pipelined over `stages` (pipeline_parallel.py)."""
+    layer stack pipelined over `stages` (gpipe.py)."""
     if microbatches == 1 and stages == 1:
         return call.step()
     return accumulating(call.step(), microbatches,
@@ -122,7 +122,7 @@ class _Accumulation:
     batch: tuple[int, ...]
     args: tuple
     groups: int = 1  # shares of each microbatch, computed side by side and summed after the loop
-    stages: int = 1  # >1: the loss's layer stack pipelined over so many (pipeline_parallel.py)
+    stages: int = 1  # >1: the loss's layer stack pipelined over so many (gpipe.py)
     calls: int = 0
     mode: str = "full"  # "probe": trace a microbatch's loss; "microbatch": run one
     captured: Any = None

@@ -30,12 +30,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.extend import source_info_util
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.microbatch_layout import regroup, strided, unstrided
-from autopar.separable import Separability, eqn_source
+from autopar.schedule.layout import regroup, strided, unstrided
+from autopar.schedule.separable import Separability, eqn_source
 from autopar.trace.shard import shard
 
 STAGE_AXIS = "stage"
@@ -145,19 +146,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
                 if k.batch is not None}
     stage_ids = jnp.arange(s)
-
-    def stage(layers_s: list, carry_s: list, streamed_s: dict, valid: Any) -> list:
-        def guard(x: Any) -> Any:  # the bubble's values reach no gradient
-            return jnp.where(valid, x, jax.lax.stop_gradient(x))
-        layers_s, carry_s = [guard(x) for x in layers_s], [guard(c) for c in carry_s]
-        consts_s = [jnp.moveaxis(streamed_s[i], 0, const_kinds[i].batch) if i in streamed_s
-                    else c for i, c in enumerate(consts)]
-
-        def layer(c: list, x: list) -> tuple[list, None]:
-            c = [jnp.moveaxis(v, 0, k.batch) for v, k in zip(c, carry_kinds)]
-            out = body(*consts_s, *c, *x)[:ncarry]
-            return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
-        return jax.lax.scan(layer, carry_s, layers_s)[0]
+    stage = _stage(body, consts, const_kinds, carry_kinds, ncarry)
 
     # Per tick and stage, [T, S, ...] split over the stage axis, laid out before the loop:
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
@@ -192,6 +181,26 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     return outs + unused
 
 
+def _stage(body: Callable, consts: list, const_kinds: list, carry_kinds: list, ncarry: int
+           ) -> Callable:
+    """One stage's computation at one tick: its layers in turn on its microbatch (carries with
+    the batch dimension first), the streamed constants its microbatch's; `valid` False in the
+    bubble."""
+    def stage(layers_s: list, carry_s: list, streamed_s: dict, valid: Any) -> list:
+        def guard(x: Any) -> Any:  # the bubble's values reach no gradient
+            return jnp.where(valid, x, jax.lax.stop_gradient(x))
+        layers_s, carry_s = [guard(x) for x in layers_s], [guard(c) for c in carry_s]
+        consts_s = [jnp.moveaxis(streamed_s[i], 0, const_kinds[i].batch) if i in streamed_s
+                    else c for i, c in enumerate(consts)]
+
+        def layer(c: list, x: list) -> tuple[list, None]:
+            c = [jnp.moveaxis(v, 0, k.batch) for v, k in zip(c, carry_kinds)]
+            out = body(*consts_s, *c, *x)[:ncarry]
+            return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
+        return jax.lax.scan(layer, carry_s, layers_s)[0]
+    return stage
+
+
 def _shift(x: Any) -> Any:
     """Stage s's value moved to stage s+1 (zeros into the first): one pad by (1, -1), which
     XLA compiles to a collective-permute where a concatenation of slices becomes two
@@ -221,7 +230,7 @@ def _evaluate(jaxpr: Any, consts: list, args: list, stack: Any, run_stack: Calla
         if eqn is stack:
             outs = run_stack(values)
         else:
-            with eqn.ctx.manager:
+            with eqn.ctx.manager, source_info_util.user_context(eqn.source_info.traceback):
                 out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
             outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
