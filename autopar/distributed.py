@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
@@ -98,10 +98,17 @@ def call_items(call: Call, options: dict[str, Any]) -> list[tuple[str, str]]:
     values, and each traced leaf's path, dtype and shape. Built only in several processes."""
     if not multiprocess():
         return []
-    items = [("autopar version", version("autopar")), ("jax version", jax.__version__)]
+    items = [("autopar version", _installed_version()), ("jax version", jax.__version__)]
     items += [(f"option {name}", _stable(value)) for name, value in options.items()]
     items += [(f"static argument {where}", repr(value)) for where, value in call.static]
     return items + [(path, describe(x)) for path, x in zip(call.paths, call.leaves)]
+
+
+def _installed_version() -> str:
+    try:
+        return version("autopar")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "not installed"
 
 
 def decisions_items(decisions: Decisions) -> list[tuple[str, str]]:
