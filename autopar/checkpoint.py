@@ -72,8 +72,8 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, shardings: Any = None
                                f"(shape {tuple(leaf.shape)}). Fix: pass shardings=, e.g. "
                                "step.input_shardings(state, batch)[0][0].")
         targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
-    _check_matches(path, like, ocp)
     checkpointer = ocp.StandardCheckpointer()
+    _check_matches(path, like, checkpointer)
     return checkpointer.restore(path, jax.tree_util.tree_unflatten(tree, targets))
 
 
@@ -88,9 +88,9 @@ def _matching_leaves(like: Any, shardings: Any) -> list[Any]:
                            "step.input_shardings(state, batch)[0][0].") from e
 
 
-def _check_matches(path: str, like: Any, ocp: Any) -> None:
+def _check_matches(path: str, like: Any, checkpointer: Any) -> None:
     """The saved arrays' paths and shapes against `like`'s: a clear error before orbax's."""
-    saved = ocp.StandardCheckpointer().metadata(path)
+    saved = checkpointer.metadata(path)
     saved = getattr(saved, "item_metadata", saved)
     shapes = {path_to_str(k): tuple(getattr(m, "shape", ()))
               for k, m in jax.tree_util.tree_flatten_with_path(saved)[0]}

@@ -39,8 +39,5 @@ def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
 def compiler_platform(mesh: Any, hw: Hardware) -> str:
     """The platform whose compiler will build the step: the mesh's devices' where it has
     devices (a Mesh; a count or 'auto': jax's devices), else the hardware profile's."""
-    if isinstance(mesh, Mesh):
-        return mesh.devices.flat[0].platform
-    if isinstance(mesh, (str, int)) and not isinstance(mesh, bool):
-        return jax.devices()[0].platform
-    return hw.platform
+    device = local_device(mesh)
+    return device.platform if device is not None else hw.platform

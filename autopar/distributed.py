@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.errors import AutoparError
 
@@ -135,11 +135,10 @@ def describe(x: Any) -> str:
     return f"{jax.numpy.result_type(x)}{list(jax.numpy.shape(x))}"
 
 
-def value_digest(x: Any) -> str:
-    """A digest of a host value's dtype, shape and bytes."""
-    a = np.ascontiguousarray(np.asarray(x))
+def value_digest(a: np.ndarray) -> str:
+    """A digest of a host array's dtype, shape and bytes."""
     h = hashlib.blake2b(f"{a.dtype}{a.shape}".encode(), digest_size=8)
-    h.update(a.tobytes())
+    h.update(np.ascontiguousarray(a).tobytes())
     return f"values with digest {h.hexdigest()}"
 
 
@@ -157,13 +156,11 @@ def place_everywhere(leaves: Sequence[Any], shardings: Sequence[NamedSharding],
     """The leaves at `moves` as global arrays under their shardings. Host values, after the
     processes agree that they are equal, are cut into each process's own shards (no transfer
     between processes); global arrays are resharded by jax.device_put."""
-    host = [k for k in moves if is_host_value(leaves[k])]
+    host = {k: np.asarray(leaves[k]) for k in moves if is_host_value(leaves[k])}
     agree("the values of the step's arguments (a value passed from the host must be the same "
-          "on every process)", [(paths[k], value_digest(leaves[k])) for k in host])
-    placed = {}
-    for k in host:
-        a = np.asarray(leaves[k])
-        placed[k] = jax.make_array_from_callback(a.shape, shardings[k], lambda i, a=a: a[i])
+          "on every process)", [(paths[k], value_digest(a)) for k, a in host.items()])
+    placed = {k: jax.make_array_from_callback(a.shape, shardings[k], lambda i, a=a: a[i])
+              for k, a in host.items()}
     rest = [k for k in moves if k not in placed]
     for k, x in zip(rest, jax.device_put([leaves[k] for k in rest], [shardings[k] for k in rest])):
         placed[k] = x
@@ -176,14 +173,15 @@ def process_rows(sharding: NamedSharding, rows: int) -> slice | np.ndarray:
     contiguous (the usual case, the batch split over an axis that spans the processes), else
     an index array. Under a sharding that does not split the rows, every process loads them
     all. Use it to shard a dataset: `dataset[process_rows(sharding, len(global_batch))]`."""
-    if not isinstance(sharding, jax.sharding.Sharding):
-        raise AutoparError(f"process_rows takes a jax Sharding, got {type(sharding).__name__}. "
-                           "Fix: pass one leaf of step.input_shardings(*args).")
-    indices = sharding.addressable_devices_indices_map((rows,))
-    spans = sorted({(s[0].start or 0, rows if s[0].stop is None else s[0].stop)
-                    for s in indices.values()})
-    covered = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else np.arange(0)
-    covered = np.unique(covered)
+    if not isinstance(sharding, NamedSharding):
+        raise AutoparError(f"process_rows takes a jax Sharding (a NamedSharding), got "
+                           f"{type(sharding).__name__}. Fix: pass one leaf of "
+                           "step.input_shardings(*args).")
+    first = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))  # the rows' split
+    everything = np.arange(rows)
+    covered = np.unique(np.concatenate(
+        [everything[index[0]] for index in first.addressable_devices_indices_map((rows,))
+         .values()]))
     if len(covered) and covered[-1] - covered[0] + 1 == len(covered):
         return slice(int(covered[0]), int(covered[-1]) + 1)
     return covered
