@@ -243,7 +243,8 @@ class AutoParallel:
 
     def _from_saved(self, call: Call, shape: MeshShape) -> _Signature:
         """The saved plan's decisions applied to this step: no search."""
-        graph, in_tree, out_shape = trace(self._step(call), call.abstract(), call.donated)
+        graph, in_tree, out_shape = trace(self._step(call), call.abstract(), call.donated,
+                                          compiler=self.platform)
         decisions = decisions_from_plan(graph, self.saved, shape)
         out_tree = jax.tree_util.tree_structure(out_shape)
         # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:

@@ -143,7 +143,7 @@ def test_gradient_all_reduces_pay_one_latency_as_xla_combines_them():
     latency between them. Charged one latency each, the 35 gradients of this GPT cost more than
     replicating the whole step, and the search replicated it (judged twice as slow as plain
     data parallel on h100)."""
-    from autopar.cost.model import value_facts
+    from autopar.cost.facts import value_facts
     from autopar.trace.tracer import trace
 
     step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,

@@ -9,7 +9,6 @@ import numpy as np
 import optax
 import pytest
 from helpers import check_against_single_device
-from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.cost.hlo import collectives

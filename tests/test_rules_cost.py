@@ -26,8 +26,9 @@ def test_dot_general_factors_and_partial_sums():
     strategies = enumerate_strategies(rule, MESH)
     # 3 factors, 2 axes: each axis on one of them or none, all sizes divisible
     assert len(strategies) == 16
-    # and for each of the 7 with partial sums, the variant that reduce-scatters them
-    assert len(enumerate_strategies(rule, MESH, scatter=True)) == 16 + 7
+    # and for each of the 7 with partial sums, the variants that reduce-scatter them along
+    # each result dimension they divide (both, in each of the 7)
+    assert len(enumerate_strategies(rule, MESH, scatter=True)) == 16 + 7 * 2
     megatron_row = [s for s in strategies if dict(s.assignment) == {i: ("model",), b: ("data",)}]
     assert megatron_row and megatron_row[0].partial_axes == ("model",)
     assert to_partition_spec(megatron_row[0].in_specs[1]) == P("model")
@@ -40,9 +41,10 @@ def test_reduce_scatter_variant_moves_half_the_bytes():
     tensors = [Tensor(0, (8, 16), "float32"), Tensor(1, (16, 32), "float32"),
                Tensor(2, (8, 32), "float32")]
     op = Op(0, "dot_general", (0, 1), (2,), {"dimension_numbers": (((1,), (0,)), ((), ()))})
-    reduce, scatter = [s for s in enumerate_strategies(rule, MESH, scatter=True)
-                       if dict(s.assignment) == {i: ("data",)}]
+    reduce, scatter, along_second = [s for s in enumerate_strategies(rule, MESH, scatter=True)
+                                     if dict(s.assignment) == {i: ("data",)}]
     assert reduce.out_specs[0] == ((), ()) and scatter.out_specs[0] == (("data",), ())
+    assert along_second.out_specs[0] == ((), ("data",))
     hw = PROFILES["cpu"]
     ar = op_time(op, reduce, tensors, MESH, hw)[1] - hw.link_latency
     rs = op_time(op, scatter, tensors, MESH, hw)[1] - hw.link_latency
@@ -106,6 +108,10 @@ def test_reshard_costs():
     link = group_link(HW, MESH, ("data",))
     assert reshard_time(t, row, rep, MESH, HW) == pytest.approx(all_gather(t.nbytes, 2, link))
     assert reshard_time(t, row, col, MESH, HW) == pytest.approx(all_to_all(t.nbytes / 2, 2, link))
+    # gathering the second dimension is done in a layout that makes it major, then copied
+    # back: the gathered bytes read and written once more
+    assert reshard_time(t, col, rep, MESH, HW) == pytest.approx(
+        all_gather(t.nbytes, 2, link) + 2 * t.nbytes / HW.memory_bandwidth)
 
 
 
@@ -129,6 +135,24 @@ def test_fused_values_are_the_elementwise_chains_xla_never_writes():
     assert by_op["div"].outputs[0] not in fused  # a dot reads it
     assert by_op["dot_general"].outputs[0] not in fused  # the result
     assert not set(graph.inputs) & fused
+
+
+def test_the_compilers_fusion_decides_which_values_cost_memory_traffic():
+    """A value two fusions read: an ideal fuser recomputes it in both (no bytes), XLA CPU
+    writes it once and reads it twice. The traced graph's compiler picks the rule."""
+    import jax.numpy as jnp
+
+    from autopar.cost.facts import value_facts
+    from autopar.trace.tracer import trace
+
+    def f(x, w):
+        y = jnp.tanh(x)
+        return (jnp.exp(y) @ w).sum() + (jnp.sin(y) @ w).sum()
+    args = (jnp.ones((8, 16)), jnp.ones((16, 4)))
+    for compiler, written in (("cpu", True), ("gpu", False), ("", False)):
+        graph = trace(f, args, compiler=compiler)[0]
+        (tanh,) = [op for op in graph.ops if op.primitive == "tanh"]
+        assert (tanh.outputs[0] not in value_facts(graph).fused) == written, compiler
 
 
 def test_primitive_kinds_are_one_catalogue():

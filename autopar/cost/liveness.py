@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from autopar.cost.estimate import KINDS, Buffer, MemoryEstimate
-from autopar.cost.model import shard_bytes, value_facts
+from autopar.cost.model import shard_bytes
 from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
@@ -275,7 +275,7 @@ class _Walk:
         accumulated gradient's loop is a whole forward and backward pass: see
         schedule/accumulate.py)."""
         graph, out = self.graph, []
-        fused = value_facts(graph).fused
+        fused = self.model.fused_values(graph)
         for i, ids in graph.loop_ops.items():
             nbytes = sum(self.size(t) for k in ids if graph.ops[k].primitive not in LOOP_MARKS
                          for t in graph.ops[k].outputs if t not in fused)

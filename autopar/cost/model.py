@@ -15,8 +15,7 @@ from typing import NamedTuple, Sequence
 from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
-from autopar.rules.kinds import FUSED, FUSING_READERS, SUMMING
-from autopar.trace.analysis import per_graph
+from autopar.rules.kinds import FUSED, FUSING_READERS
 from autopar.trace.ir import Op, OpGraph, Tensor
 
 
@@ -85,9 +84,10 @@ def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:
 
 
 def fused_values(graph: OpGraph) -> frozenset[int]:
-    """Values XLA never writes to memory: made by an operator it fuses into its readers, and
-    read only by operators that take fused producers in (loop fusions, reductions), and not
-    a result of the step. An elementwise chain reads its inputs and writes its result once,
+    """Values an ideal fusing compiler never writes to memory: made by an operator it fuses
+    into its readers, and read only by operators that take fused producers in (loop fusions,
+    reductions), and not a result of the step. A platform's compiler fuses no more
+    (BufferModel.fused_values; XLA CPU writes a value several fusions read, cost/xla/cpu.py). An elementwise chain reads its inputs and writes its result once,
     not once per operator; charged per operator, a softmax over a vocabulary cost twice what
     XLA's program reads."""
     readers: dict[int, list[str]] = {}
@@ -100,66 +100,11 @@ def fused_values(graph: OpGraph) -> frozenset[int]:
                      and all(r in FUSING_READERS for r in readers[t]))
 
 
-@per_graph  # asked by every build of its problem
-def weight_gradients(graph: OpGraph) -> frozenset[int]:
-    """Results of backward operators of a state leaf's shape (maybe transposed, maybe with
-    unit dimensions a reshape drops, as a norm's scale gets): the weight gradients, products
-    and reductions of a parameter's shape."""
-    def key(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(sorted(d for d in shape if d != 1))
-
-    state_shapes = {key(graph.tensors[graph.inputs[i]].shape)
-                    for i in graph.state_pairs.values()}
-    return frozenset(op.outputs[0] for op in graph.ops
-                     if op.backward and len(op.outputs) == 1
-                     and key(graph.tensors[op.outputs[0]].shape) in state_shapes)
-
-
-# The operators whose partial sums make a weight gradient's all-reduce (a transpose or an add
-# of two contributions of a parameter's shape makes none).
-
-
 class ValueFacts(NamedTuple):
     """What XLA does with some values of a graph, as the cost model prices it."""
 
     fused: frozenset[int] = frozenset()  # never written to memory: fused_values
     combined: frozenset[int] = frozenset()  # all-reduced in one collective: see value_facts
-
-
-@per_graph  # asked by every search of it
-def value_facts(graph: OpGraph) -> ValueFacts:
-    """The graph's fused values, and the sums XLA's all-reduce combiner merges into one
-    collective: the weight gradients outside loops, and the sums only the step's results read
-    (the loss). Neither kind waits for another's all-reduce, so a step pays one collective's
-    latency for all of them (data parallel gpt-1024 on 8 devices compiles to one all-reduce
-    of 448 MiB for all its gradients and its loss). Each is charged its share of one latency;
-    charged one each, the 37 sums of a small GPT cost 0.18 ms on h100, where the
-    compiled all-reduce takes 0.007 ms, and the search replicated the step. GPU's XLA splits
-    the combined buffer at a threshold of tens of MiB, where the bandwidth term outweighs the
-    latencies: not modelled."""
-    gradients, terminal = weight_gradients(graph), terminal_values(graph)
-    combined = frozenset(op.outputs[0] for op in graph.ops
-                         if op.primitive in SUMMING and op.repeat == 1
-                         and (op.outputs[0] in gradients or op.outputs[0] in terminal))
-    return ValueFacts(fused_values(graph), combined)
-
-
-def terminal_values(graph: OpGraph) -> frozenset[int]:
-    """Values that reach nothing but the step's results, through elementwise and layout
-    operators only (a loss, a metric)."""
-    readers: dict[int, list[Op]] = {}
-    for op in graph.ops:
-        for t in set(op.inputs):
-            readers.setdefault(t, []).append(op)
-    outputs = set(graph.outputs)
-    terminal: set[int] = set()
-    for op in reversed(graph.ops):  # readers come after their operands
-        for t in op.outputs:
-            if (t in outputs or t in readers) and all(
-                    r.primitive in FUSED and all(u in terminal for u in r.outputs)
-                    for r in readers.get(t, ())):
-                terminal.add(t)
-    return frozenset(terminal)
 
 
 def op_signature(op: Op, tensors: Sequence[Tensor], facts: ValueFacts = ValueFacts()
@@ -261,15 +206,22 @@ def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[float, float]:
     """(latency seconds, seconds per byte of the tensor) to turn `src` sharding into `dst`
-    (see reshard_sequence), each step on its axes' link. The time is linear in the tensor's
+    (see reshard_sequence), each step on its axes' link, with the layout copies it needs. The time is linear in the tensor's
     size, latency + per_byte * bytes, so these terms serve every tensor.
     """
     latency = per_byte = 0.0
-    for kind, n, share, _, axes in reshard_sequence(src, dst, mesh):
+    for kind, n, share, dim, axes in reshard_sequence(src, dst, mesh):
         link = group_link(hw, mesh, axes)
         latency += link.latency
         # Gathering step by step moves the bytes one all-gather over all the axes would.
         per_byte += (n - 1) / (2 * n if kind == "all-to-all" else n) * share / link.bandwidth
+        if kind == "all-gather" and dim > 0:
+            # XLA gathers another dimension than the first in a layout that makes it major,
+            # then copies the result back (read and written once). Seen on XLA CPU 0.10.2,
+            # where a mixture of experts' tokens gathered over the sequence dimension paid 8
+            # such copies; taken to hold elsewhere until measured. A gathered tensor whose
+            # leading dimensions are 1 on each device needs none: rare, not told apart.
+            per_byte += 2 * share / hw.memory_bandwidth
     return latency, per_byte
 
 

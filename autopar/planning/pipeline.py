@@ -64,9 +64,10 @@ class Planning:
         `microbatches`, `microbatch_groups`, `pipeline_stages`: how `fn` accumulates its
         gradient, for the plan to say."""
         t0 = time.perf_counter()
-        graph, in_tree, out_shape = trace(fn, args, donated)
+        platform = platform or hw.platform
+        graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
         return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
-                   annotations, buffer_model(platform or hw.platform), time.perf_counter() - t0,
+                   annotations, buffer_model(platform), time.perf_counter() - t0,
                    microbatches=microbatches, microbatch_groups=microbatch_groups,
                    pipeline_stages=pipeline_stages)
 
@@ -161,7 +162,7 @@ def data_parallel_plan(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: H
                        batch_prefix: str) -> Plan:
     """The baseline a person writes first: batch split over all devices, the rest replicated,
     with the operators' strategies searched under those pins."""
-    graph, in_tree, out_shape = trace(fn, args)
+    graph, in_tree, out_shape = trace(fn, args, compiler=hw.platform)
     decisions, stats = solve(graph, mesh, hw, "dynamic_programming",
                              data_parallel_pins(graph, mesh, batch_prefix))
     stats = exactness(stats)

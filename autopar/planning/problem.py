@@ -20,8 +20,8 @@ import numpy as np
 
 import autopar_search as search
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import (op_signature, op_time, reshard_terms, shard_bytes, value_facts,
-                                weight_gradients)
+from autopar.cost.facts import value_facts, weight_gradients
+from autopar.cost.model import op_signature, op_time, reshard_terms, shard_bytes
 from autopar.mesh import MeshShape
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
                            rule_for)
@@ -168,7 +168,8 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
-                  tie_layers: bool = True, units: list[Unit] | None = None) -> Problem:
+                  tie_layers: bool = True, units: list[Unit] | None = None,
+                  narrow: bool = False) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of tensors by id (inputs, and results of `autopar.shard`): the
@@ -178,6 +179,9 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     `tie_layers` gives instances of a repeated layer two apart the same strategies
     (layers.repeated_ties); without it every unit decides on its own.
     `units` (from make_units) saves computing the rules again when one graph is planned twice.
+    `narrow` offers reduce-scatters to weight gradients alone, along their first dimension:
+    a smaller space, where the searches that are not exact (bounded elimination, one axis at
+    a time) sometimes find a better plan than in the whole one (solve._best_within_bound).
     The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
     units = make_units(graph) if units is None else units
@@ -186,7 +190,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     same_layer = {u: unit.tie for u, unit in enumerate(units)
                   if tie_layers and unit.tie is not None}
     node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
-                                     pinned or {})
+                                     pinned or {}, narrow)
     reshard = _Resharding(mesh, hw)
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
@@ -240,7 +244,8 @@ def _resharding(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
            mesh: MeshShape, same_layer: dict[int, int], extend: Extension | None,
-           pinned: dict[int, Spec]) -> tuple[list[int], list[list[Strategy]], list[int]]:
+           pinned: dict[int, Spec], narrow: bool = False
+           ) -> tuple[list[int], list[list[Strategy]], list[int]]:
     """Nodes of the search: which node each unit belongs to, each unit's strategy for every
     strategy of its node, and the unit that defines each node.
 
@@ -254,7 +259,6 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     choices: list[list[Strategy]] = []
     roots: list[int] = []
     derived: dict[tuple, list[Strategy]] = {}
-    gradients = weight_gradients(graph)
     for u, unit in enumerate(units):
         main = main_operand(unit, graph)
         source = producer.get(unit.inputs[main]) if main is not None else None
@@ -277,10 +281,13 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
         else:
             node_of.append(len(roots))
             roots.append(u)
-            # Only weight gradients are offered the reduce-scatter variant (into a sharded
-            # optimizer state): offered to every product, it widens the search for little.
-            options = enumerate_strategies(unit.rule, mesh,
-                                           scatter=bool(set(unit.outputs) & gradients))
+            # Every product with partial sums is offered their reduce-scatters: weight
+            # gradients into a sharded optimizer state, activation gradients into the split
+            # of the layer below. `narrow`: weight gradients alone, along their first
+            # dimension (see build_problem).
+            scatter = (("first" if set(unit.outputs) & weight_gradients(graph) else False)
+                       if narrow else True)
+            options = enumerate_strategies(unit.rule, mesh, scatter=scatter)
             if extend is not None and u in extend.assignments:
                 options = extend.filter(options, extend.assignments[u]) or options[:1]
             choices.append(options)

@@ -111,9 +111,10 @@ def strategy(rule: Rule, mesh: MeshShape, assignment: dict[str, tuple[str, ...]]
 
 
 def enumerate_strategies(rule: Rule, mesh: MeshShape, limit: int = 512,
-                         scatter: bool = False) -> list[Strategy]:
+                         scatter: bool | str = False) -> list[Strategy]:
     """Every way to put each mesh axis on at most one factor that its size divides; with
-    `scatter`, also the reduce-scattering variant of each strategy with partial sums.
+    `scatter`, also the reduce-scattering variants of each strategy with partial sums (with
+    "first", only the variant along the first result dimension they divide).
 
     The replicated strategy comes first. Above `limit` strategies, those using fewer axes are
     kept: an operator with that many factors (a loop with many carried values) rarely profits
@@ -132,7 +133,7 @@ def canonical(value: Rule | MeshShape) -> Rule | MeshShape:
 # Rules repeat (every layer, the forward and backward pass, each round of the device recursion):
 # strategies are computed once per rule structure and mesh.
 @functools.lru_cache(maxsize=1 << 16)
-def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool
+def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool | str
                 ) -> tuple[Strategy, ...]:
     factors = sorted(rule.sizes)
     axes = [a for a, s in zip(mesh.names, mesh.sizes) if s > 1]
@@ -149,25 +150,31 @@ def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool
     options = tuple(strategy(rule, mesh, a) for _, a in found[:limit])
     if not scatter:
         return options
-    return options + tuple(v for s in options if (v := scattered(s, rule, mesh)) is not None)
+    first = scatter == "first"
+    return options + tuple(v for s in options
+                           for v in scattered(s, rule, mesh)[:1 if first else None])
 
 
-def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> Strategy | None:
-    """The variant of `s` that reduce-scatters its partial sums along the first result
-    dimension they divide, instead of all-reducing them: half the bytes, and the result comes
-    out sharded (how data-parallel gradients reach a sharded optimizer state). The scattered
-    axes come after those already on the dimension: a reduce-scatter splits each device's
-    block, and XLA, given the other order, gathers the whole result first (a 512 MiB
+def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> tuple[Strategy, ...]:
+    """The variants of `s` that reduce-scatter its partial sums along a result dimension they
+    divide, one per such dimension, instead of all-reducing them: half the bytes, and the
+    result comes out sharded. A weight gradient reaches a sharded optimizer state this way;
+    an activation's gradient reaches the token split of the layer below (a mixture of
+    experts' combine: the first dimension is the model's, the second the tokens'). The
+    scattered axes come after those already on the dimension: a reduce-scatter splits each
+    device's block, and XLA, given the other order, gathers the whole result first (a 512 MiB
     all-gather of the logits' gradient in the encoder-decoder at d_model 768)."""
     if not s.partial_axes or len(rule.results) != 1:
-        return None
+        return ()
     n = math.prod(mesh.axis_size(a) for a in s.partial_axes)
-    out = list(s.out_specs[0])
+    variants = []
     for d, f in enumerate(rule.results[0]):
+        out = list(s.out_specs[0])
         if f and rule.sizes[f] % (n * math.prod(mesh.axis_size(a) for a in out[d])) == 0:
             out[d] = (*out[d], *s.partial_axes)
-            return Strategy(s.assignment, s.in_specs, (tuple(out),), s.partial_axes, s.parallel)
-    return None
+            variants.append(Strategy(s.assignment, s.in_specs, (tuple(out),), s.partial_axes,
+                                     s.parallel))
+    return tuple(variants)
 
 
 @functools.lru_cache(maxsize=1 << 16)

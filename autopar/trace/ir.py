@@ -88,6 +88,9 @@ class OpGraph:
     donated: frozenset[int] = frozenset()
     # program step of a loop (scan) -> the planning ops of its body, which run inside that step
     loop_ops: dict[int, tuple[int, ...]] = field(hash=False, compare=False, default_factory=dict)
+    # the platform whose XLA compiles the step ('cpu', 'gpu', ...; '' where not known): its
+    # compiler's fusion decides which values cost memory traffic (autopar.cost.facts)
+    compiler: str = ""
 
     def __hash__(self) -> int:
         return self._hash
@@ -95,7 +98,7 @@ class OpGraph:
     @functools.cached_property
     def _hash(self) -> int:  # every per-graph analysis is cached on the graph: hashed once
         return hash((self.tensors, self.ops, self.program, self.inputs, self.outputs,
-                     self.donated))
+                     self.donated, self.compiler))
 
     @property
     def donated_pairs(self) -> dict[int, int]:

@@ -240,9 +240,10 @@ def _open(closed_or_open: Any) -> tuple[Any, list]:
     return closed_or_open, []
 
 
-def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset()
-          ) -> tuple[OpGraph, Any, Any]:
-    """Trace `fn(*args)` into an OpGraph; `donated`: the flat input indices the caller donates.
+def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset(),
+          compiler: str = "") -> tuple[OpGraph, Any, Any]:
+    """Trace `fn(*args)` into an OpGraph; `donated`: the flat input indices the caller donates;
+    `compiler`: the platform that compiles it (OpGraph.compiler).
 
     Returns the graph, the treedef of the arguments and the output shapes (a pytree of
     ShapeDtypeStruct).
@@ -279,7 +280,7 @@ def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset
     ops = tuple(Op(i, **o) for i, o in enumerate(b.ops))
     graph = OpGraph(tuple(b.tensors), ops, tuple(b.program), tuple(inputs), tuple(final_outs),
                     b.const_values, state_pairs(args, out_shape, len(inputs)),
-                    frozenset(donated), dict(b.loop_ops))
+                    frozenset(donated), dict(b.loop_ops), compiler)
     return graph, jax.tree_util.tree_structure(tuple(args)), out_shape
 
 

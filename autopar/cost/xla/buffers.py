@@ -34,6 +34,10 @@ class BufferModel(Protocol):
 
     def values(self, graph: OpGraph) -> ValueBuffers: ...
 
+    def fused_values(self, graph: OpGraph) -> frozenset[int]:
+        """The values never written to memory, fused into their readers: the compute estimate
+        charges no bytes for them (autopar.cost.facts)."""
+
     def fuses(self, primitive: str) -> bool:
         """Whether a loop fusion can read a value computed by `primitive`'s step."""
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from autopar.cost.model import fused_values as fusible_values
 from autopar.cost.model import group_size, reshard_sequence, shard_bytes
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.mesh import MeshShape
@@ -303,12 +304,24 @@ def value_buffers(graph: OpGraph) -> ValueBuffers:
     return ValueBuffers(frozenset(materialised), frozenset(into_sum), kind)
 
 
+@per_graph
+def fused_values(graph: OpGraph) -> frozenset[int]:
+    """The values an ideal fuser keeps out of memory that XLA's CPU compiler does too: not
+    those value_buffers materialises (read by several fusions, or an activation the backward
+    pass keeps). Charged as fused, the replicated token path of a mixture of experts on 8
+    devices was predicted at 0.82 ms of compute where XLA's program reads 1.26 ms worth of
+    bytes (h100), and the search kept it replicated."""
+    materialised = value_buffers(graph).materialised
+    return frozenset(t for t in fusible_values(graph) if t not in materialised)
+
+
 class CpuBuffers:
     """XLA's CPU compiler as the memory estimate asks for it (autopar.cost.xla.buffers)."""
 
     name = "xla-cpu"
     calibrated = True
     values = staticmethod(value_buffers)
+    fused_values = staticmethod(fused_values)
     combined_all_reduces = staticmethod(all_reduce_groups)
     copied_before_update = staticmethod(copied_before_update)
     early_steps = staticmethod(input_only_steps)

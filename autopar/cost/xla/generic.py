@@ -9,7 +9,7 @@ transposes them (a GPU or TPU compiler transposes no more than a canonical layou
 """
 from __future__ import annotations
 
-from autopar.cost.model import reshard_sequence, shard_bytes
+from autopar.cost.model import fused_values, reshard_sequence, shard_bytes
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.cost.xla.cpu import transposed_operands
 from autopar.mesh import MeshShape
@@ -30,6 +30,9 @@ class ConservativeBuffers:
     name = "conservative"
     calibrated = False
     values = staticmethod(_value_buffers)
+    # Times are estimated with an ideal fuser's fusion: GPU and TPU compilers fuse at least
+    # as much as XLA CPU, and charging every value's bytes put the estimate at 2.3x XLA's.
+    fused_values = staticmethod(fused_values)
     transposed_operands = staticmethod(transposed_operands)
 
     @staticmethod

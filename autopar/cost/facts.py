@@ -1,0 +1,62 @@
+"""What the cost model knows of a traced step's values beyond their operators: which ones the
+compiler fuses away (no memory traffic), which sums XLA combines into one all-reduce, the
+weight gradients, and the values only the step's results read."""
+from __future__ import annotations
+
+from autopar.cost.model import ValueFacts
+from autopar.cost.xla import buffer_model
+from autopar.rules.kinds import FUSED, SUMMING
+from autopar.trace.analysis import per_graph
+from autopar.trace.ir import Op, OpGraph
+
+
+@per_graph  # asked by every build of its problem
+def weight_gradients(graph: OpGraph) -> frozenset[int]:
+    """Results of backward operators of a state leaf's shape (maybe transposed, maybe with
+    unit dimensions a reshape drops, as a norm's scale gets): the weight gradients, products
+    and reductions of a parameter's shape."""
+    def key(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(d for d in shape if d != 1))
+
+    state_shapes = {key(graph.tensors[graph.inputs[i]].shape)
+                    for i in graph.state_pairs.values()}
+    return frozenset(op.outputs[0] for op in graph.ops
+                     if op.backward and len(op.outputs) == 1
+                     and key(graph.tensors[op.outputs[0]].shape) in state_shapes)
+
+
+@per_graph  # asked by every search of it
+def value_facts(graph: OpGraph) -> ValueFacts:
+    """The values the compiler of the graph's platform fuses away (its BufferModel's
+    fused_values: XLA CPU's as measured, an ideal fuser's elsewhere), and the sums XLA's all-reduce combiner merges into one
+    collective: the weight gradients outside loops, and the sums only the step's results read
+    (the loss). Neither kind waits for another's all-reduce, so a step pays one collective's
+    latency for all of them (data parallel gpt-1024 on 8 devices compiles to one all-reduce
+    of 448 MiB for all its gradients and its loss). Each is charged its share of one latency;
+    charged one each, the 37 sums of a small GPT cost 0.18 ms on h100, where the
+    compiled all-reduce takes 0.007 ms, and the search replicated the step. GPU's XLA splits
+    the combined buffer at a threshold of tens of MiB, where the bandwidth term outweighs the
+    latencies: not modelled."""
+    gradients, terminal = weight_gradients(graph), terminal_values(graph)
+    combined = frozenset(op.outputs[0] for op in graph.ops
+                         if op.primitive in SUMMING and op.repeat == 1
+                         and (op.outputs[0] in gradients or op.outputs[0] in terminal))
+    return ValueFacts(buffer_model(graph.compiler).fused_values(graph), combined)
+
+
+def terminal_values(graph: OpGraph) -> frozenset[int]:
+    """Values that reach nothing but the step's results, through elementwise and layout
+    operators only (a loss, a metric)."""
+    readers: dict[int, list[Op]] = {}
+    for op in graph.ops:
+        for t in set(op.inputs):
+            readers.setdefault(t, []).append(op)
+    outputs = set(graph.outputs)
+    terminal: set[int] = set()
+    for op in reversed(graph.ops):  # readers come after their operands
+        for t in op.outputs:
+            if (t in outputs or t in readers) and all(
+                    r.primitive in FUSED and all(u in terminal for u in r.outputs)
+                    for r in readers.get(t, ())):
+                terminal.add(t)
+    return frozenset(terminal)
