@@ -14,11 +14,11 @@ from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.hlo import compiled_memory_bytes
-from autopar.cost.estimate import mib
 from autopar.cost.xla import buffer_model
 from autopar.devices import compiler_platform, resolve_memory_limit
 from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
+from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
 from autopar.schedule.microbatches import check_microbatches, planned_within
@@ -32,12 +32,6 @@ from autopar.planning.solve import SEARCHES
 from autopar.rules.factors import Spec, to_partition_spec
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
-
-# A plan whose estimated peak is within the estimate's error of memory_limit (about 15% against
-# XLA's memory_analysis, docs/decisions.md) is compiled before it is used, and planned again for
-# a smaller estimate where XLA needs more than the limit, at most COMPILE_CHECKS times.
-CHECK_BAND = 0.85
-COMPILE_CHECKS = 3
 
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
@@ -272,74 +266,17 @@ class AutoParallel:
                                    self.annotations, call.donated, self.platform, microbatches,
                                    groups, stages)
 
-        limit = self.memory_limit
         planning, decisions, p = planned_within(call, self.microbatches, self.batch_argnums,
-                                                 traced, shape, limit, self.stages)
-        compiled = 0
-        for check in range(COMPILE_CHECKS + 1):
-            try:
-                if check:
-                    decisions, p = planning.plan(shape, limit)
-            except AutoparError as e:
-                raise AutoparError(
-                    f"the plan estimated to fit memory_limit={mib(self.memory_limit)} compiled "
-                    f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
-                    f"{e}") from e
-            made = self._signature(planning.graph, decisions, dict(p.mesh),
-                                   [t.spec for t in p.outputs], p.out_tree, lambda p=p: p)
-            if not check and "memory_price_s_per_byte" in p.search_stats:
-                unbudgeted = self._unbudgeted(planning, call, shape)
-                if unbudgeted is not None:
-                    return unbudgeted
-            # Close to the limit the estimate's error could decide, and after a plan did not
-            # fit it has: XLA's own figure does. A platform without a calibrated buffer model
-            # is checked whenever the budget binds.
-            if (not check and p.cost["peak_memory_bytes"] < CHECK_BAND * self.memory_limit
-                    and (planning.buffers.calibrated
-                         or "memory_price_s_per_byte" not in p.search_stats)):
-                break
-            compiled = compiled_memory_bytes(
-                made.jitted.lower(*_abstract(call.leaves)).compile())
-            p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
-                                    search_stats={**p.search_stats, "compile_checks": check + 1})
-            made.make_plan = lambda p=p: p
-            if compiled <= self.memory_limit:
-                break
-            if check == COMPILE_CHECKS:
-                raise AutoparError(
-                    f"the plan estimated at {mib(p.cost['peak_memory_bytes'])} per device "
-                    f"compiles to {mib(compiled)}, over memory_limit="
-                    f"{mib(self.memory_limit)} on mesh {shape}, after planning for "
-                    f"{COMPILE_CHECKS} smaller estimates. Fix: raise memory_limit, use more "
-                    "devices, or shrink the batch.")
-            # Plan for the estimate that, off by as much as this one, would fit.
-            estimate = p.cost["peak_memory_bytes"]
-            limit = min(limit - 1, int(self.memory_limit * estimate / compiled))
-        return made
+                                                 traced, shape, self.memory_limit, self.stages)
 
-    def _unbudgeted(self, planning: Planning, call: Call, shape: MeshShape | int
-                    ) -> _Signature | None:
-        """The plan made without a memory limit, where XLA's own figure puts it within the
-        limit. The budget acts on the estimate, whose error near the limit goes either way: a
-        plan estimated a little over the limit may compile within it, and it is faster than
-        the leaner plan the budget chose (a small GPT at a data-parallel expert's memory was
-        estimated 7% over it and planned 2.6x slower). Compiled only where its estimate is
-        within that error of the limit, or where the estimate's buffer model is not calibrated
-        for the platform (a conservative estimate says little of what XLA needs)."""
-        decisions, p = planning.plan(shape, None)
-        if (planning.buffers.calibrated
-                and CHECK_BAND * p.cost["peak_memory_bytes"] > self.memory_limit):
-            return None
-        made = self._signature(planning.graph, decisions, dict(p.mesh), [t.spec for t in p.outputs],
-                               p.out_tree, lambda: p)
-        compiled = compiled_memory_bytes(made.jitted.lower(*_abstract(call.leaves)).compile())
-        if compiled > self.memory_limit:
-            return None
-        p = dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled,
-                                           "limit_bytes": self.memory_limit},
-                                search_stats={**p.search_stats, "compile_checks": 1})
-        made.make_plan = lambda: p
-        return made
+        def make(decisions: Decisions, p: Plan) -> _Signature:
+            return self._signature(planning.graph, decisions, dict(p.mesh),
+                                   [t.spec for t in p.outputs], p.out_tree, lambda: p)
+
+        def compiled_of(made: _Signature) -> int:
+            return compiled_memory_bytes(made.jitted.lower(*_abstract(call.leaves)).compile())
+
+        return fitted(planning, shape, self.memory_limit, decisions, p, make, compiled_of)
 
     def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],
                    out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan]
