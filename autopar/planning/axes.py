@@ -97,12 +97,13 @@ def merged_within(problem: Problem, mesh: MeshShape) -> search.Solution:
 
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                     pinned: dict[int, Spec] | None, units: list[Unit] | None = None,
-                    memory_weight: float = 0.0, problems: dict | None = None
-                    ) -> tuple[Problem, search.Solution, dict]:
+                    memory_weight: float = 0.0, problems: dict | None = None,
+                    narrow: bool = False) -> tuple[Problem, search.Solution, dict]:
     """Plan `graph` axis by axis; returns the last round's problem and solution, and stats.
 
     `problems` keeps each round's unpriced problem, by the rounds before it and their answers,
-    for the next search of this graph, mesh and pins (at another memory price)."""
+    for the next search of this graph, mesh and pins (at another memory price). `narrow`: in
+    the space where only weight gradients are reduce-scattered (build_problem)."""
     units = make_units(graph) if units is None else units
     order = axis_order(mesh)
     if not order:  # a mesh of one device: one round decides everything (all replicated)
@@ -110,7 +111,7 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     done: list[str] = []
     problem = solution = None
     exact_rounds = 0
-    key: tuple = ()
+    key: tuple = ("narrow",) if narrow else ()
     for axis in order:
         names = tuple(n for n in mesh.names if n in done or n == axis)
         sub = MeshShape(names, tuple(mesh.axis_size(n) for n in names))
@@ -125,7 +126,8 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                 strategies = problem.decode(solution.choice)
                 extension = Extension(frozenset(done), {
                     u: dict(strategies[u].assignment) for u in range(len(problem.units))})
-            return build_problem(graph, sub, hw, sub_pins, extend=extension, units=units)
+            return build_problem(graph, sub, hw, sub_pins, extend=extension, units=units,
+                                 narrow=narrow)
 
         problem = kept_problem(problems, key, build).priced(graph, sub, memory_weight)
         solution, exact = solve_round(problem.graph)
@@ -138,7 +140,7 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     stats = {"rounds": len(order), "exact_rounds": exact_rounds, "exact": False,
              "space": "one axis at a time"}
     merged = None if first_split else _merged_rounds(graph, mesh, hw, pinned, units,
-                                                     memory_weight, problems, order)
+                                                     memory_weight, problems, order, narrow)
     if merged is not None:
         stats["one_axis_at_a_time_s"] = solution.cost
         stats["all_axes_as_one_s"] = merged[1].cost
@@ -150,7 +152,7 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
 
 def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                    pinned: dict[int, Spec] | None, units: list[Unit], memory_weight: float,
-                   problems: dict | None, order: list[str]
+                   problems: dict | None, order: list[str], narrow: bool = False
                    ) -> tuple[Problem, search.Solution] | None:
     """The recursion's second answer, where its first round split nothing: every axis taken
     as one (a one-axis mesh of all the devices), then a round on the whole mesh that keeps
@@ -168,14 +170,15 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     one = MeshShape((name,), (int(np.prod([mesh.axis_size(a) for a in order])),))
     pins = None if pinned is None else {
         t: tuple((name,) if axes else () for axes in spec) for t, spec in pinned.items()}
-    first = kept_problem(problems, ("all axes as one",), lambda: build_problem(
-        graph, one, hw, pins, units=units)).priced(graph, one, memory_weight)
+    first = kept_problem(problems, ("all axes as one", narrow), lambda: build_problem(
+        graph, one, hw, pins, units=units, narrow=narrow)).priced(graph, one, memory_weight)
     answer, _ = solve_round(first.graph)
     rest = [a for a in mesh.names if a in order[:-1]]
     extension = Extension(frozenset(rest), {
         u: {f: tuple(rest) for f, axes in s.assignment if axes}
         for u, s in enumerate(first.decode(answer.choice))})
-    whole = kept_problem(problems, ("all axes as one", answer.choice.tobytes()),
+    whole = kept_problem(problems, ("all axes as one", narrow, answer.choice.tobytes()),
                          lambda: build_problem(graph, mesh, hw, pinned, extend=extension,
-                                               units=units)).priced(graph, mesh, memory_weight)
+                                               units=units, narrow=narrow)
+                         ).priced(graph, mesh, memory_weight)
     return whole, solve_round(whole.graph)[0]
