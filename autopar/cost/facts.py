@@ -28,15 +28,15 @@ def weight_gradients(graph: OpGraph) -> frozenset[int]:
 @per_graph  # asked by every search of it
 def value_facts(graph: OpGraph) -> ValueFacts:
     """The values the compiler of the graph's platform fuses away (its BufferModel's
-    fused_values: XLA CPU's as measured, an ideal fuser's elsewhere), and the sums XLA's all-reduce combiner merges into one
-    collective: the weight gradients outside loops, and the sums only the step's results read
-    (the loss). Neither kind waits for another's all-reduce, so a step pays one collective's
-    latency for all of them (data parallel gpt-1024 on 8 devices compiles to one all-reduce
-    of 448 MiB for all its gradients and its loss). Each is charged its share of one latency;
-    charged one each, the 37 sums of a small GPT cost 0.18 ms on h100, where the
-    compiled all-reduce takes 0.007 ms, and the search replicated the step. GPU's XLA splits
-    the combined buffer at a threshold of tens of MiB, where the bandwidth term outweighs the
-    latencies: not modelled."""
+    fused_values: XLA CPU's as measured, an ideal fuser's elsewhere), and the sums XLA's
+    all-reduce combiner merges into one collective: the weight gradients outside loops, and
+    the sums only the step's results read (the loss). Neither kind waits for another's
+    all-reduce, so a step pays one collective's latency for all of them (data parallel gpt-1024
+    on 8 devices compiles to one all-reduce of 448 MiB for all its gradients and its loss).
+    Each is charged its share of one latency; charged one each, the 37 sums of a small GPT
+    cost 0.18 ms on h100, where the compiled all-reduce takes 0.007 ms, and the search
+    replicated the step. GPU's XLA splits the combined buffer at a threshold of tens of MiB,
+    where the bandwidth term outweighs the latencies: not modelled."""
     gradients, terminal = weight_gradients(graph), terminal_values(graph)
     combined = frozenset(op.outputs[0] for op in graph.ops
                          if op.primitive in SUMMING and op.repeat == 1

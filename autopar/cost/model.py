@@ -87,9 +87,9 @@ def fused_values(graph: OpGraph) -> frozenset[int]:
     """Values an ideal fusing compiler never writes to memory: made by an operator it fuses
     into its readers, and read only by operators that take fused producers in (loop fusions,
     reductions), and not a result of the step. A platform's compiler fuses no more
-    (BufferModel.fused_values; XLA CPU writes a value several fusions read, cost/xla/cpu.py). An elementwise chain reads its inputs and writes its result once,
-    not once per operator; charged per operator, a softmax over a vocabulary cost twice what
-    XLA's program reads."""
+    (BufferModel.fused_values; XLA CPU writes a value several fusions read, cost/xla/cpu.py).
+    An elementwise chain reads its inputs and writes its result once, not once per operator;
+    charged per operator, a softmax over a vocabulary cost twice what XLA's program reads."""
     readers: dict[int, list[str]] = {}
     for op in graph.ops:
         for t in set(op.inputs):
@@ -206,8 +206,9 @@ def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[float, float]:
     """(latency seconds, seconds per byte of the tensor) to turn `src` sharding into `dst`
-    (see reshard_sequence), each step on its axes' link, with the layout copies it needs. The time is linear in the tensor's
-    size, latency + per_byte * bytes, so these terms serve every tensor.
+    (see reshard_sequence), each step on its axes' link, with the layout copies it needs. The
+    time is linear in the tensor's size, latency + per_byte * bytes, so these terms serve
+    every tensor.
     """
     latency = per_byte = 0.0
     for kind, n, share, dim, axes in reshard_sequence(src, dst, mesh):
