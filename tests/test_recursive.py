@@ -155,3 +155,22 @@ def test_a_first_round_that_splits_nothing_gets_all_axes_as_one():
     assert stats["all_axes_as_one_s"] < stats["one_axis_at_a_time_s"]
     assert any(set(axes) == set(mesh) for op in plan.ops for spec in op.in_specs
                for axes in spec), "no operand split over all three axes at once"
+
+
+def test_an_elimination_wider_than_its_estimate_falls_back_to_the_bounded_answers(monkeypatch):
+    """The exact search's width is estimated before eliminating; where the elimination still
+    meets a wider table (a small encoder-decoder's embedding gather did), dynamic_programming
+    answers with its bounded candidates instead of raising."""
+    from autopar.planning import solve as solving
+    real = search.solve
+
+    def narrow_tables(graph, algorithm, **options):
+        if options.get("max_factor_size") == solving.EXACT_TABLE_LIMIT:
+            raise search.SearchTooLargeError("a table wider than estimated")
+        return real(graph, algorithm, **options)
+
+    monkeypatch.setattr(search, "solve", narrow_tables)
+    step, state, batch = models.gpt_setup(layers=2)
+    plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 8},
+                        search="dynamic_programming")
+    assert "lower_bound" in plan.search_stats and "one_axis_at_a_time_s" in plan.search_stats
