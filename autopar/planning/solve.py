@@ -68,8 +68,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
     elif algorithm == "recursive_programming":
         # In the whole space and in the narrow one (reduce-scatters for weight gradients
         # alone): the recursion commits early, and more choices can lead it astray
-        # (encoder-decoder at d_model 768 on 2x4: judged 5.55 ms in the whole space, 4.46
-        # in the narrow one; the MoE's best plan needs the whole space).
+        # (encoder-decoder at d_model 768 on 2x4, h100: judged 5.55 ms from the whole space
+        # alone, 4.07 with both; the MoE's best plan needs the whole space).
         problem, solution, extra = min(
             (solve_recursive(graph, mesh, hw, pinned, units, memory_weight, problems, narrow)
              for narrow in (False, True)), key=lambda answer: answer[1].cost)
@@ -133,7 +133,7 @@ def _untied(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spe
     way: where its exact tables fit, the answer is then the optimum over every plan, not only
     those that repeat layers; where they do not, its bounded search still reaches the
     alternating plans the ties forbid (gpt-1024 on 2x4, h100: 7.51 ms predicted against 7.85
-    tied, in less time). Built before the tied one, which is then built only where this one
+    tied, in no more time). Built before the tied one, which is then built only where this one
     is too large. None where there are no ties or it has too many nodes."""
     if (not any(unit.tie is not None for unit in units)
             or untied_node_count(graph, units, pinned or {}) > UNTIED_NODE_LIMIT):
@@ -192,7 +192,7 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape
     two run in the `narrow` space too (reduce-scatters for weight gradients alone): neither is
     exact, and with every product's reduce-scatters on offer the recursion's early rounds
     sometimes commit to one that the later rounds pay for (a small GPT on 2x4 with a slow
-    network: 2.52 ms in the full space, 1.02 in the narrow one). The cheapest wins, and the
+    network: 2.52 ms predicted in the full space, 1.05 in the narrow one). The cheapest wins, and the
     bound says how far from optimal it can be."""
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
     candidates = [(full, bounded, "full"), (full, rounds_within(full, mesh), "one axis at a time"),
