@@ -13,7 +13,6 @@ from autopar.schedule.accumulate import step_of
 from autopar.calling import Call, Conventions, place
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
-from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.xla import buffer_model
 from autopar.devices import compiler_platform, resolve_memory_limit
 from autopar.distributed import agree, call_items, decisions_items
@@ -273,8 +272,8 @@ class AutoParallel:
             return self._signature(planning.graph, decisions, dict(p.mesh),
                                    [t.spec for t in p.outputs], p.out_tree, lambda: p)
 
-        def compiled_of(made: _Signature) -> int:
-            return compiled_memory_bytes(made.jitted.lower(*_abstract(call.leaves)).compile())
+        def compiled_of(made: _Signature) -> Any:
+            return made.jitted.lower(*_abstract(call.leaves)).compile()
 
         return fitted(planning, shape, self.memory_limit, decisions, p, make, compiled_of)
 

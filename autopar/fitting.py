@@ -7,9 +7,15 @@ the limit is compiled before it is used, and XLA's figure decides:
   COMPILE_CHECKS times);
 - the plan made with no limit, where its estimate is close: kept if XLA fits it, since it is
   faster than any leaner plan;
+- where it misses by no more than NEAR_MISS, the same plan lowered with its inputs' and
+  outputs' shardings alone, XLA's propagation placing the rest, is kept if it fits and is
+  judged no slower (`_propagated`);
 - where it does not fit, XLA's figure for it says how far the estimate reads over: the plan
   for the estimate that, off by as much, fills the limit is kept if XLA fits it and it is
   faster than the budget's.
+The plan made with no limit is compiled only where its estimate is close to the limit, or where
+the budget's plan is predicted COSTLY_BUDGET times slower than it: then the compile is worth
+its time.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ import dataclasses
 from typing import Any, Callable
 
 from autopar.cost.estimate import mib
+from autopar.cost.hlo import compiled_memory_bytes
+from autopar.cost.judge import evaluate
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, Plan
@@ -24,9 +32,15 @@ from autopar.planning.pipeline import Planning
 
 CHECK_BAND = 0.85
 COMPILE_CHECKS = 3
+COSTLY_BUDGET = 1.25
+# How far over memory_limit a plan may compile for its propagated lowering to be tried. The
+# constraints that pin a plan move XLA's schedule: a small ResNet's data-parallel plan, the
+# very program of the data-parallel jax.jit (same instructions), compiled to 0.39% more
+# temporaries pinned than propagated.
+NEAR_MISS = 1.02
 
 Make = Callable[[Decisions, Plan], Any]  # -> the step's signature (with .make_plan)
-Compiled = Callable[[Any], int]  # signature -> XLA's memory per device, in bytes
+Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled)
 
 
 def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
@@ -35,7 +49,7 @@ def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
     search's (`decisions`, `p`), compiled where the estimate's error could decide."""
     budgeted = "memory_price_s_per_byte" in p.search_stats
     if budgeted:
-        unbudgeted, scale = _unbudgeted(planning, shape, memory_limit, make, compiled_of)
+        unbudgeted, scale = _unbudgeted(planning, shape, memory_limit, make, compiled_of, p)
         if unbudgeted is not None:
             return unbudgeted
         if scale > 1:
@@ -57,7 +71,7 @@ def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
                     f"{e}") from e
         made = make(decisions, p)
-        compiled = compiled_of(made)
+        compiled = compiled_memory_bytes(compiled_of(made))
         p = _with_compiled(p, compiled, check + 1)
         made.make_plan = lambda p=p: p
         if compiled <= memory_limit:
@@ -79,7 +93,7 @@ def _with_compiled(p: Plan, compiled: int, checks: int) -> Plan:
 
 
 def _unbudgeted(planning: Planning, shape: MeshShape | int, memory_limit: int, make: Make,
-                compiled_of: Compiled) -> tuple[Any, float]:
+                compiled_of: Compiled, budgeted: Plan) -> tuple[Any, float]:
     """The plan made without a memory limit, where XLA's own figure puts it within the
     limit: it is faster than the leaner plan the budget chose (a small GPT at a data-parallel
     expert's memory was estimated 7% over it and planned 2.6x slower). Compiled only where its
@@ -87,17 +101,46 @@ def _unbudgeted(planning: Planning, shape: MeshShape | int, memory_limit: int, m
     is not calibrated for the platform (a conservative estimate says little of what XLA
     needs). With it, or None, how far its estimate reads over XLA's figure (1: not known)."""
     decisions, p = planning.plan(shape, None)
-    if planning.buffers.calibrated and CHECK_BAND * p.cost["peak_memory_bytes"] > memory_limit:
+    costly = budgeted.cost["total_s"] > COSTLY_BUDGET * p.cost["total_s"]
+    if (planning.buffers.calibrated and not costly
+            and CHECK_BAND * p.cost["peak_memory_bytes"] > memory_limit):
         return None, 1.0
     made = make(decisions, p)
-    compiled = compiled_of(made)
+    executable = compiled_of(made)
+    compiled = compiled_memory_bytes(executable)
     if compiled > memory_limit:
-        return None, p.cost["peak_memory_bytes"] / max(compiled, 1)
-    p = dataclasses.replace(_with_compiled(p, compiled, 1),
-                            memory={**p.memory, "compiled_bytes": compiled,
-                                    "limit_bytes": memory_limit})
+        scale = p.cost["peak_memory_bytes"] / max(compiled, 1)
+        if compiled > NEAR_MISS * memory_limit:
+            return None, scale
+        return _propagated(planning, memory_limit, decisions, p, made, executable, make,
+                           compiled_of), scale
+    return _kept(made, p, compiled, memory_limit, 1), 1.0
+
+
+def _kept(made: Any, p: Plan, compiled: int, memory_limit: int, checks: int,
+          **stats: Any) -> Any:
+    """`made`, its Plan with XLA's memory figure and the limit."""
+    p = _with_compiled(p, compiled, checks)
+    p = dataclasses.replace(p, memory={**p.memory, "limit_bytes": memory_limit},
+                            search_stats={**p.search_stats, **stats})
     made.make_plan = lambda: p
-    return made, 1.0
+    return made
+
+
+def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: Plan,
+                pinned: Any, executable: Any, make: Make, compiled_of: Compiled) -> Any:
+    """The plan lowered with its inputs' and outputs' shardings alone, where XLA fits it
+    within the limit and judges it (`autopar.evaluate` on the plan's hardware) no slower than
+    the program pinned throughout; else None."""
+    made = make(dataclasses.replace(decisions, pinned_inside=False), p)
+    loose = compiled_of(made)
+    compiled = compiled_memory_bytes(loose)
+    if compiled > memory_limit:
+        return None
+    if evaluate(loose, made.mesh, planning.hw).step_s > evaluate(
+            executable, pinned.mesh, planning.hw).step_s * (1 + 1e-9):
+        return None
+    return _kept(made, p, compiled, memory_limit, 2, pinned_inside=False)
 
 
 def _scaled(planning: Planning, shape: MeshShape | int, memory_limit: int, scale: float,
@@ -115,11 +158,7 @@ def _scaled(planning: Planning, shape: MeshShape | int, memory_limit: int, scale
     if p.cost["total_s"] >= budgeted.cost["total_s"]:
         return None
     made = make(decisions, p)
-    compiled = compiled_of(made)
+    compiled = compiled_memory_bytes(compiled_of(made))
     if compiled > memory_limit:
         return None
-    p = dataclasses.replace(_with_compiled(p, compiled, 2),
-                            memory={**p.memory, "compiled_bytes": compiled,
-                                    "limit_bytes": memory_limit})
-    made.make_plan = lambda: p
-    return made
+    return _kept(made, p, compiled, memory_limit, 2)

@@ -23,6 +23,9 @@ class Decisions:
     inputs: list[Spec]  # per graph input
     ops: list[Strategy]  # per op id
     recompute: frozenset[int] = frozenset()  # forward program steps the backward recomputes
+    # False: lowered with the inputs' and outputs' shardings alone, XLA propagating the rest
+    # (fitting._propagated: where that program fits memory_limit and the pinned one does not).
+    pinned_inside: bool = True
 
     def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
         """The sharding each tensor has when produced."""

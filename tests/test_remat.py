@@ -258,7 +258,8 @@ def test_plan_recompute_composes_with_nn_remat():
     plan = check_against_single_device(step, state, batch, mesh, steps=2, memory_limit=limit,
                                        **options)
     assert plan.recompute == ("RematGPT/block_0",) and plan.cost["recompute_s"] > 0
-    assert plan.cost["peak_memory_bytes"] <= limit
+    # XLA's figure where the plan was compiled to check it (fitting), else the estimate
+    assert plan.memory.get("compiled_bytes", plan.cost["peak_memory_bytes"]) <= limit
     saved = json.loads(plan.to_json())
     saved["recompute"] = ["RematGPT/block_0", "RematGPT/block_1"]
     both = autopar.Plan.from_json(json.dumps(saved))

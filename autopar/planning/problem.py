@@ -31,6 +31,14 @@ from autopar.trace.analysis import roles
 from autopar.trace.ir import Op, OpGraph, Tensor
 from autopar.trace.layers import repeated_ties
 
+# Seconds each kept byte costs in a search without a memory limit: a tie-break, far below
+# what the cost model resolves (100 GB per device cost 0.1 us), far above float64 rounding of
+# step times up to a second (1e-16 s). Without it, a step time that does not depend on where
+# an input lives left a ResNet's image batch whole on every device (49 KB more than data
+# parallelism, and 2x slower at the data-parallel program's memory, where the budget had to
+# choose a leaner plan).
+TIE_PRICE = 1e-18
+
 
 class AutoparWarning(UserWarning):
     """A warning from autopar (an operator replicated for lack of a rule, for example)."""
@@ -78,10 +86,10 @@ class Problem:
 
     def priced(self, graph: OpGraph, mesh: MeshShape, weight: float) -> Problem:
         """This problem with each byte per device it keeps of the step's inputs, activations
-        and gradients charged `weight` seconds, so that the search trades time for memory. The
-        unpriced problem stays as it is: a search at another price reuses it."""
-        if weight <= 0:
-            return self
+        and gradients charged `weight` seconds, so that the search trades time for memory, and
+        at least TIE_PRICE, so that of plans equally fast the leaner wins. The unpriced problem
+        stays as it is: a search at another price reuses it."""
+        weight = max(weight, TIE_PRICE)
         costs = tuple(c + weight * m for c, m in zip(self.graph.node_costs,
                                                      self.kept(graph, mesh)))
         return dataclasses.replace(self, graph=self.graph.with_node_costs(costs))

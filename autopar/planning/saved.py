@@ -58,7 +58,8 @@ def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisi
                  for name in saved.recompute if name not in layers]
     collect_errors(problems, f"the saved plan does not fit this step on mesh {shape}:")
     recompute = frozenset(i for name in saved.recompute for i in layers[name])
-    return Decisions(inputs, ops, recompute)
+    return Decisions(inputs, ops, recompute,
+                     pinned_inside=saved.search_stats.get("pinned_inside", True))
 
 
 def _strategy(in_specs: tuple[Spec, ...], out_specs: tuple[Spec, ...],
