@@ -97,9 +97,11 @@ def _unbudgeted(planning: Planning, shape: MeshShape | int, memory_limit: int, m
     """The plan made without a memory limit, where XLA's own figure puts it within the
     limit: it is faster than the leaner plan the budget chose (a small GPT at a data-parallel
     expert's memory was estimated 7% over it and planned 2.6x slower). Compiled only where its
-    estimate is within the estimate's error of the limit, or where the estimate's buffer model
+    estimate is within the estimate's error of the limit, where the estimate's buffer model
     is not calibrated for the platform (a conservative estimate says little of what XLA
-    needs). With it, or None, how far its estimate reads over XLA's figure (1: not known)."""
+    needs), or where the `budgeted` plan is predicted COSTLY_BUDGET times slower (a small
+    ResNet's estimate read 29% over XLA's figure, and its budgeted plan was 2x slower). With
+    it, or None, how far its estimate reads over XLA's figure (1: not known)."""
     decisions, p = planning.plan(shape, None)
     costly = budgeted.cost["total_s"] > COSTLY_BUDGET * p.cost["total_s"]
     if (planning.buffers.calibrated and not costly
