@@ -20,7 +20,8 @@ from autopar.errors import AutoparError
 from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
-from autopar.schedule.microbatches import check_microbatches, planned_within
+from autopar.schedule.choice import planned_schedule
+from autopar.schedule.microbatches import check_microbatches
 from autopar.schedule.gpipe import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
@@ -38,7 +39,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          memory_limit: int | str | None = None, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
          donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
-         batch_argnums: int | Sequence[int] = -1, pipeline: int = 1) -> Plan:
+         batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -70,8 +71,8 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
                                platform, microbatches, groups, stages)
 
     with young_objects_only():
-        return planned_within(call, microbatches, batch_argnums, traced,
-                              mesh_or_count(mesh), limit, pipeline)[2]
+        return planned_schedule(call, microbatches, batch_argnums, traced,
+                                mesh_or_count(mesh), limit, pipeline)[2]
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -82,7 +83,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                   static_argnames: str | Sequence[str] = (),
                   donate_argnums: int | Sequence[int] = (),
                   donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
-                  batch_argnums: int | Sequence[int] = -1, pipeline: int = 1) -> Any:
+                  batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
@@ -113,6 +114,10 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     `pipeline=S` (with `microbatches=M`, on a mesh with a 'stage' axis of size S) runs the
     loss's layer stack (an nn.scan, a lax.scan over stacked weights) as S GPipe stages over
     the M microbatches in the one program (schedule/gpipe.py); the rest runs once.
+    `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
+    fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
+    each divisor) and several microbatch counts, and keeps the schedule estimated fastest
+    that fits `memory_limit` (schedule/choice.py).
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,
@@ -186,7 +191,7 @@ class AutoParallel:
                  saved: Plan | None, annotations: Annotations = None,
                  memory_limit: int | None = None, conventions: Conventions | None = None,
                  microbatches: int | str = 1, batch_argnums: int | Sequence[int] = -1,
-                 pipeline: int = 1) -> None:
+                 pipeline: int | str = 1) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
@@ -265,8 +270,9 @@ class AutoParallel:
                                    self.annotations, call.donated, self.platform, microbatches,
                                    groups, stages)
 
-        planning, decisions, p = planned_within(call, self.microbatches, self.batch_argnums,
-                                                 traced, shape, self.memory_limit, self.stages)
+        planning, decisions, p, shape = planned_schedule(
+            call, self.microbatches, self.batch_argnums, traced, shape, self.memory_limit,
+            self.stages)
 
         def make(decisions: Decisions, p: Plan) -> _Signature:
             return self._signature(planning.graph, decisions, dict(p.mesh),

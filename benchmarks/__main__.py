@@ -8,9 +8,10 @@ with pinned baselines, for small models run on the simulated devices), `propagat
 quality at depth and scale, first call against jax.jit), `memory` (plans for shrinking memory
 budgets, predicted against compiled memory), `accumulation` (microbatched steps: the
 gradient reduced once or per microbatch, predicted against compiled collectives and memory)
-and `pipeline` (a GPT's layer stack over 1 to 8 pipeline stages, predicted against compiled).
-Results go to benchmarks/results/<suite>.md and .json (quality with --memory-matched:
-quality-memory-matched), with the machine and versions, replacing the suite's previous results.
+and `pipeline` (a GPT's layer stack over 1 to 8 pipeline stages, predicted against compiled;
+what pipeline="auto" keeps as the network between nodes slows).
+Results go to benchmarks/results/<suite>.md and .json, with the machine and versions, replacing
+the suite's previous results (quality's with --memory-matched add the memory-matched table).
 Timings are of this machine; compare them as ratios within one run.
 """
 from __future__ import annotations
@@ -135,8 +136,8 @@ def main() -> None:
             table = accumulation.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
-            result = pipeline.run(log=log)
-            table = pipeline.markdown(result)
+            result = {**pipeline.run(log=log), **pipeline.choice(log=log)}
+            table = pipeline.markdown(result) + "\n" + pipeline.choice_markdown(result)
         else:
             print("sharding propagation benchmark", flush=True)
             cases = propagation.QUICK_CASES if args.quick else propagation.CASES
@@ -155,9 +156,8 @@ def _known(names: list[str], known: dict) -> list[str]:
 def write(suite: str, result: dict, table: str, args: argparse.Namespace) -> None:
     result["machine"] = machine()
     result["arguments"] = vars(args)
-    name = suite + ("-memory-matched" if suite == "quality" and args.memory_matched else "")
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, name)
+    base = os.path.join(args.out, suite)
     header = f"# {TITLES[suite]}\n\n" + "\n".join(f"- {k}: {v}"
                                                    for k, v in result["machine"].items())
     with open(base + ".md", "w") as f:

@@ -103,4 +103,14 @@ def test_pipeline_suite_smoke():
     (row,) = result["pipeline"]
     assert row["permutes_in_loops"] >= 2 * (4 + 2 - 1) and row["permute_bytes"] > 0
     assert row["bubble"] == 1 / 5 and row["compiled_memory_bytes"] > 0
-    assert "| 2 stages | 2x4 | 4 | 2 | 20% |" in pipeline.markdown(result)
+    assert "| 2 stages | 2x4 | 4 | 2 | 1 | 20% |" in pipeline.markdown(result)
+
+
+def test_pipeline_choice_suite_smoke():
+    from benchmarks import pipeline
+    result = pipeline.choice((1e9,), config=dict(vocab=64, d_model=32, heads=4, layers=4),
+                             batch=16, seq=16, log=lambda line: None)
+    (row,) = result["choice"]
+    assert row["tried"][0]["stages"] == 1 and row["stages"] in (1, 4)
+    assert row["chosen"]["memory_bytes"] > 0 and row["flat"]["memory_bytes"] > 0
+    assert "| 1 | **1x1: " in pipeline.choice_markdown(result) or "| 1 | 1x1: " in pipeline.choice_markdown(result)

@@ -16,6 +16,7 @@ from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
 from autopar.rules.kinds import FUSED, FUSING_READERS
+from autopar.rules.layout import shifts
 from autopar.trace.ir import Op, OpGraph, Tensor
 
 
@@ -112,6 +113,7 @@ def op_signature(op: Op, tensors: Sequence[Tensor], facts: ValueFacts = ValueFac
     """Equal for operators that cost the same under the same strategy (the same operator of
     every block): op_time and op_collectives read nothing else of the op."""
     return (op.primitive, op.repeat, str(op.params.get("dimension_numbers")),
+            str(op.params.get("padding_config")),
             tuple((tensors[t].shape, tensors[t].dtype, t in facts.fused, t in facts.combined)
                   for t in (*op.inputs, *op.outputs)))
 
@@ -139,7 +141,26 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
         comm += all_reduce(held, n, link)
         if n > 1 and t in facts.combined:
             comm -= link.latency * (1 - 1 / len(facts.combined))
+    for axes, nbytes in _shifted(op, strategy, tensors, mesh):
+        comm += collective_time("collective-permute", nbytes, 2, group_link(hw, mesh, axes))
     return compute * op.repeat, comm * op.repeat
+
+
+def _shifted(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
+             ) -> list[tuple[tuple[str, ...], float]]:
+    """(axes, bytes each device sends) of the collective-permutes a pad that shifts a split
+    dimension needs (rules.layout.shifts): the rows that cross into the next device's block."""
+    if op.primitive != "pad":
+        return []
+    out = []
+    spec = strategy.out_specs[0]
+    tensor = tensors[op.outputs[0]]
+    for d, rows in shifts(op.params).items():
+        n = group_size(mesh, spec[d])
+        if n > 1:
+            block = tensor.shape[d] // n
+            out.append((spec[d], shard_bytes(tensor, spec, mesh) * min(rows, block) / block))
+    return out
 
 
 def partial_split(strategy: Strategy, spec: Spec) -> tuple[list[str], list[str]]:
@@ -239,12 +260,14 @@ def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
 def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
                    ) -> dict[str, float]:
     """The all-reduce and reduce-scatter bytes (results on one device, per step) the op's
-    partial sums need."""
+    partial sums need, and the collective-permute bytes of a shift."""
     out: dict[str, float] = {}
     for t, s in zip(op.outputs, strategy.out_specs):
         for kind, axes in zip(("reduce-scatter", "all-reduce"), partial_split(strategy, s)):
             if group_size(mesh, axes) > 1:
                 out[kind] = out.get(kind, 0.0) + op.repeat * shard_bytes(tensors[t], s, mesh)
+    for _, nbytes in _shifted(op, strategy, tensors, mesh):
+        out["collective-permute"] = out.get("collective-permute", 0.0) + op.repeat * nbytes
     return out
 
 

@@ -113,8 +113,19 @@ def slice_rule(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 
 def pad(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    keep = [cfg == (0, 0, 0) for cfg in map(tuple, params["padding_config"])]
+    """Unpadded dimensions split freely, and so does a shifted one (padded by k low and cut
+    by k high, a pipeline's shift between stages): each device sends its last k rows to the
+    next, one collective-permute (`shifts`, priced by the cost model)."""
+    keep = [cfg == (0, 0, 0) or d in shifts(params) for d, cfg in
+            enumerate(map(tuple, params["padding_config"]))]
     return whole_dims_shared(ins, outs, keep, len(ins) - 1)
+
+
+def shifts(params: dict) -> dict[int, int]:
+    """{dimension: rows moved} for a pad's dimensions that shift (low k, high -k, no
+    interior padding)."""
+    return {d: abs(lo) for d, (lo, hi, interior) in enumerate(params["padding_config"])
+            if lo and lo == -hi and not interior}
 
 
 def dynamic_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:

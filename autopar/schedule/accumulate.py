@@ -148,7 +148,7 @@ class _Accumulation:
                                 diff_leaves(args, argnums))
         if self.stages > 1:
             return pipelined_value_and_grad(analysis, full, jax.tree_util.tree_structure(
-                out_shape), args, argnums, options, self.stages, self.microbatches)
+                out_shape), args, argnums, options, self.stages, self.microbatches, self.groups)
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
         return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
 

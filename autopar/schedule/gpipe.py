@@ -42,12 +42,15 @@ from autopar.trace.shard import shard
 STAGE_AXIS = "stage"
 
 
-def check_pipeline(pipeline: int, microbatches: int | str, mesh: Any) -> None:
-    """An AutoparError unless `pipeline` is a stage count that `mesh` (a Mesh, a dict of axis
-    sizes; a device count has no 'stage' axis) has as its 'stage' axis, with an int
-    `microbatches` of at least 2 where it is more than 1."""
+def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any) -> None:
+    """An AutoparError unless `pipeline` is "auto" (schedule/choice.py) or a stage count that
+    `mesh` (a Mesh, a dict of axis sizes; a device count has no 'stage' axis) has as its
+    'stage' axis, with an int `microbatches` of at least 2 where it is more than 1."""
+    if pipeline == "auto":
+        return
     if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
-        raise AutoparError(f"pipeline={pipeline!r}: a stage count is needed (1: no pipeline).")
+        raise AutoparError(f"pipeline={pipeline!r}: a stage count is needed (1: no pipeline), "
+                           "or 'auto' (the schedule chosen with the plan).")
     if pipeline == 1:
         return
     if not isinstance(microbatches, int) or microbatches < 2:
@@ -68,9 +71,10 @@ def check_pipeline(pipeline: int, microbatches: int | str, mesh: Any) -> None:
 
 def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, args: tuple,
                              argnums: int | Sequence[int], options: dict, stages: int,
-                             microbatches: int) -> Any:
+                             microbatches: int, groups: int = 1) -> Any:
     """The loss's value and gradient, its layer stack pipelined (see the module's docstring).
-    `full`: the loss's jaxpr at the full batch; `analysis`: its separability."""
+    `full`: the loss's jaxpr at the full batch; `analysis`: its separability (at
+    `microbatches` x `groups` parts); `groups`: shares per microbatch (see `_pipeline`)."""
     stack = _find_stack(analysis, full, stages)
     flat = jax.tree_util.tree_leaves(args)
     diff = analysis.diff_leaves
@@ -82,7 +86,7 @@ def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, a
 
         def run_stack(values: list) -> list:
             kinds, micro = analysis.loops[id(stack)]
-            return _pipeline(stack, micro, kinds, values, stages, microbatches)
+            return _pipeline(stack, micro, kinds, values, stages, microbatches, groups)
         outs = _evaluate(full.jaxpr, list(full.consts), leaves, stack, run_stack)
         return outs[0], outs
 
@@ -126,27 +130,44 @@ def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
 
 
 def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
-              microbatches: int) -> list:
+              microbatches: int, groups: int = 1) -> list:
     """The stack equation's outputs, computed by the pipeline (`micro`: the equation traced
-    at one microbatch, whose body each stage runs)."""
+    at one microbatch, or one share of one, whose body each stage runs).
+
+    With `groups` G > 1 every stage computes its microbatch as G shares side by side (vmapped),
+    as gradient accumulation does (accumulate.py): share g holds what the g-th of G device
+    groups keeps of the batch, and uses its own copy of the stage's layers and of the stack's
+    constants, broadcast [S, G, ...] before the loop. A copy's gradient is then that share's
+    alone, so the loop carries per-share sums that need no reduction, and the broadcast's
+    transpose adds the shares once, after the loop: stage-local data parallelism with the
+    gradient reduced once per step, not once per tick."""
     p = eqn.params
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
-    s, m = stages, microbatches
+    s, m, g = stages, microbatches, groups
+    share = () if g == 1 else (g,)
     body = jaxpr_as_fun(micro.params["jaxpr"])
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     const_kinds, carry_kinds = kinds[:nc], kinds[nc:nc + ncarry]
     size = jnp.shape(carry[0])[carry_kinds[0].batch]
 
-    def micro(v: Any, batch: int) -> Any:  # [.., B, ..] -> [M, B/M, ..]
-        return strided(jnp.moveaxis(v, batch, 0), m)
+    def micro(v: Any, batch: int) -> Any:  # [.., B, ..] -> [M, (G,) B/(M G), ..]
+        return strided(jnp.moveaxis(v, batch, 0), m, g)
 
-    layers = [shard(jnp.reshape(x, (s, length // s, *jnp.shape(x)[1:])), PartitionSpec(STAGE_AXIS))
-              for x in xs]
+    def copies(x: Any, lead: int) -> Any:  # one per share, after the `lead` dimensions
+        shape = jnp.shape(x)
+        return x if g == 1 else jnp.broadcast_to(
+            jnp.expand_dims(x, lead), (*shape[:lead], g, *shape[lead:]))
+
+    layers = [shard(copies(jnp.reshape(x, (s, length // s, *jnp.shape(x)[1:])), 1),
+                    PartitionSpec(STAGE_AXIS)) for x in xs]
     inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
                 if k.batch is not None}
+    fixed = {i: copies(c, 0) for i, c in enumerate(consts) if i not in streamed}
     stage_ids = jnp.arange(s)
-    stage = _stage(body, consts, const_kinds, carry_kinds, ncarry)
+    stage = _stage(body, const_kinds, carry_kinds, ncarry)
+    if g > 1:
+        stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None))
 
     # Per tick and stage, [T, S, ...] split over the stage axis, laid out before the loop:
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
@@ -164,7 +185,8 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         first_t, streamed_t, valid_t = xs
         shifted = [jnp.where(_lead_mask(stage_ids == 0, f.ndim - 1), f, _shift(x))
                    for f, x in zip(first_t, state)]
-        new = jax.vmap(stage)(layers, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t)
+        new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0))(
+            layers, fixed, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t)
         new = [_per_stage(x, 0) for x in new]
         return new, new
 
@@ -175,23 +197,22 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     # indexing the split dimension gathers every stage's.
     last = stage_ids == s - 1
     outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(_lead_mask(last, y.ndim - 2), y[s - 1:],
-                                                     0), axis=1), size), 0, k.batch)
+                                                     0), axis=1), size, g), 0, k.batch)
             for y, k in zip(outputs, carry_kinds)]
     unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
     return outs + unused
 
 
-def _stage(body: Callable, consts: list, const_kinds: list, carry_kinds: list, ncarry: int
-           ) -> Callable:
-    """One stage's computation at one tick: its layers in turn on its microbatch (carries with
-    the batch dimension first), the streamed constants its microbatch's; `valid` False in the
-    bubble."""
-    def stage(layers_s: list, carry_s: list, streamed_s: dict, valid: Any) -> list:
+def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int) -> Callable:
+    """One stage's computation at one tick (of one share): its layers in turn on its
+    microbatch (carries with the batch dimension first), the stack's fixed constants `fixed`
+    ({position: value}), the streamed ones its microbatch's; `valid` False in the bubble."""
+    def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any) -> list:
         def guard(x: Any) -> Any:  # the bubble's values reach no gradient
             return jnp.where(valid, x, jax.lax.stop_gradient(x))
         layers_s, carry_s = [guard(x) for x in layers_s], [guard(c) for c in carry_s]
-        consts_s = [jnp.moveaxis(streamed_s[i], 0, const_kinds[i].batch) if i in streamed_s
-                    else c for i, c in enumerate(consts)]
+        consts_s = [jnp.moveaxis(streamed_s[i], 0, kind.batch) if i in streamed_s
+                    else fixed[i] for i, kind in enumerate(const_kinds)]
 
         def layer(c: list, x: list) -> tuple[list, None]:
             c = [jnp.moveaxis(v, 0, k.batch) for v, k in zip(c, carry_kinds)]

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.schedule.accumulate import batch_size, step_of
+from autopar.schedule.gpipe import STAGE_AXIS
 from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
@@ -47,28 +48,30 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
     on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
     loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
-    why not). With `stages`, the loss's layer stack pipelined (gpipe.py), no
-    shares."""
+    why not). With `stages`, the loss's layer stack pipelined (gpipe.py), in shares on the
+    other axes where that is no slower."""
     def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
         planning = traced(step_of(call, m, batch_argnums, 1, stages), m, 1, stages)
         return planning, planning.plan(shape, limit)
 
     (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
                                                        batch_argnums)
-    if p.microbatches > 1 and stages == 1:
+    if p.microbatches > 1:
         planning, decisions, p = _reduced_once(call, batch_argnums, traced, limit,
-                                               (planning, decisions, p))
+                                               (planning, decisions, p), stages)
     if len(tried) > 1:
         p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
     return planning, decisions, p
 
 
 def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
-                  traced: Callable[[Callable, int, int], Planning], limit: int | None,
-                  first: tuple[Planning, Decisions, Plan]) -> tuple[Planning, Decisions, Plan]:
-    """`first` (a plan accumulating per microbatch), or the same step with its gradient kept
-    per share of G device groups and reduced once after the loop, planned on `first`'s mesh,
-    where that is estimated no slower and fits (`_share_count` gives G)."""
+                  traced: Callable[..., Planning], limit: int | None,
+                  first: tuple[Planning, Decisions, Plan], stages: int = 1
+                  ) -> tuple[Planning, Decisions, Plan]:
+    """`first` (a plan accumulating per microbatch, or pipelining over `stages`), or the same
+    step with its gradient kept per share of G device groups and reduced once after the loop,
+    planned on `first`'s mesh, where that is estimated no slower and fits (`_share_count`
+    gives G; the 'stage' axis is not one of them: the stages hold different layers)."""
     planning, decisions, p = first
 
     def per_microbatch(why: str) -> tuple[Planning, Decisions, Plan]:
@@ -77,7 +80,7 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
 
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     shape = mesh_shape(dict(p.mesh))
-    groups = _share_count(call, batch_argnums, traced, p, positions, shape)
+    groups = _share_count(call, batch_argnums, traced, p, positions, shape, stages > 1)
     size = batch_size(call.abstract(), positions, 1)
     if groups == 1:
         return per_microbatch("no plan splits the batch")
@@ -85,8 +88,8 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
                               f"divide the batch of {size}")
     try:
-        grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups),
-                                  p.microbatches, groups)
+        grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups, stages),
+                                  p.microbatches, groups, stages)
         grouped_decisions, grouped = grouped_planning.plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
         return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
@@ -97,31 +100,33 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
 
 
 def _share_count(call: Call, batch_argnums: int | Sequence[int],
-                 traced: Callable[[Callable, int, int], Planning], p: Plan,
-                 positions: Sequence[int], shape: MeshShape) -> int:
+                 traced: Callable[..., Planning], p: Plan,
+                 positions: Sequence[int], shape: MeshShape, staged: bool = False) -> int:
     """G: the device groups `p` splits its batch over, else those of the step planned in one
     batch without a memory limit (reducing per microbatch can make a plan keep the batch
-    whole, which the shares would not have to); 1 where neither splits it."""
-    groups = batch_groups(p, positions)
+    whole, which the shares would not have to); 1 where neither splits it. `staged`: the
+    'stage' axis does not count."""
+    groups = batch_groups(p, positions, staged)
     if groups > 1:
         return groups
     try:
         _, whole = traced(step_of(call, 1, batch_argnums), 1, 1).plan(shape, None)
     except AutoparError:
         return 1
-    return batch_groups(whole, positions)
+    return batch_groups(whole, positions, staged)
 
 
-def batch_groups(p: Plan, positions: Sequence[int]) -> int:
+def batch_groups(p: Plan, positions: Sequence[int], staged: bool = False) -> int:
     """How many device groups `p` splits the batch arguments (`positions`) over: the product
-    of the mesh axes on their first dimension, where every batch leaf has the same ones."""
+    of the mesh axes on their first dimension, where every batch leaf has the same ones
+    (`staged`: the 'stage' axis left out)."""
     specs = [s for i in positions for s in jax.tree_util.tree_leaves(
         p.input_specs[i], is_leaf=lambda x: isinstance(x, PartitionSpec)) if len(s)]
     firsts = {_axes(s[0]) for s in specs}
     if len(firsts) != 1:
         return 1
     sizes = dict(p.mesh)
-    return math.prod(sizes[a] for a in firsts.pop())
+    return math.prod(sizes[a] for a in firsts.pop() if not (staged and a == STAGE_AXIS))
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:

@@ -1,0 +1,128 @@
+"""`pipeline="auto"`: the schedule chosen with the plan. The step is planned without a pipeline
+and as S GPipe stages over M microbatches, and the plan the cost model estimates fastest
+among those that fit `memory_limit` is kept.
+
+What is weighed:
+- no pipeline, with the microbatches asked (by default "auto": one batch where it fits, else
+  the fewest microbatches that fit, gradient accumulation alone);
+- every stage count S > 1 the mesh offers: the size of its 'stage' axis, or, for a device
+  count, each divisor of the count, the rest of the devices one 'data' axis behind it;
+- for each S, the microbatches asked, or M = 2S, 4S, 8S (those that divide the batch), in that
+  order until one more is estimated slower than the one before: a larger M shrinks the
+  bubble, (S-1)/(M+S-1), and each microbatch's activations, while each tick's fixed costs
+  (latencies, small products) grow with the tick count.
+The stack's layers are split evenly, L/S consecutive layers per stage: the stack repeats one
+layer, so every stage does the same work and an even split is the balanced one.
+
+Each candidate traces the step again and searches it, so "auto" plans several times the work
+of one schedule; `search_stats["schedules_tried"]` lists every candidate with its estimate, or
+why it was left out.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from autopar.calling import Call
+from autopar.errors import AutoparError, MemoryLimitError
+from autopar.mesh import MeshShape
+from autopar.schedule.accumulate import batch_size
+from autopar.schedule.gpipe import STAGE_AXIS
+from autopar.schedule.microbatches import planned_within
+
+if TYPE_CHECKING:
+    from autopar.plan import Decisions, Plan
+    from autopar.planning.pipeline import Planning
+
+Planned = tuple["Planning", "Decisions", "Plan"]
+MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first
+
+
+def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
+                     traced: Callable[..., Planning], shape: MeshShape | int,
+                     limit: int | None, pipeline: int | str
+                     ) -> tuple[Planning, Decisions, Plan, MeshShape | int]:
+    """(Planning, Decisions, Plan, the mesh to plan it on again): `planned_within`'s plan for
+    a stage count given, or for pipeline="auto" the fastest estimated schedule that fits (see
+    the module's docstring)."""
+    if pipeline != "auto":
+        return (*planned_within(call, microbatches, batch_argnums, traced, shape, limit,
+                                pipeline), shape)
+    positions = call.traced_positions(batch_argnums, "batch_argnums")
+    size = batch_size(call.abstract(), positions, 1)
+    tried: list[dict] = []
+    best: tuple[Planned, MeshShape | int] | None = None
+    errors: list[AutoparError] = []
+
+    def attempt(stages: int, mesh: MeshShape | int, m: int | str
+                ) -> Plan | AutoparError:
+        nonlocal best
+        entry = {"stages": stages, "mesh": str(mesh), "microbatches": m}
+        try:
+            planned = planned_within(call, m, batch_argnums, traced, mesh, limit, stages)
+        except AutoparError as e:
+            errors.append(e)
+            tried.append({**entry, "left_out": _first_line(e)})
+            return e
+        p = planned[2]
+        tried.append({**entry, "microbatches": p.microbatches, "mesh": str(dict(p.mesh)),
+                      "shares": p.microbatch_groups,
+                      "total_ms": round(float(p.cost["total_s"]) * 1e3, 6),
+                      "peak_memory_bytes": int(p.cost["peak_memory_bytes"])})
+        if best is None or p.cost["total_s"] < best[0][2].cost["total_s"]:
+            best = (planned, mesh)
+        return p
+
+    attempt(1, shape, "auto" if microbatches == 1 else microbatches)
+    if isinstance(shape, MeshShape) and STAGE_AXIS not in shape.names:
+        tried.append({"stages": "S > 1", "mesh": str(shape), "left_out": (
+            f"the mesh has no {STAGE_AXIS!r} axis to split the layers over: make the mesh "
+            f"with one (outermost, on the slowest links), or pass a device count")})
+    for stages, mesh in _staged_meshes(shape):
+        previous = None
+        for m in _microbatch_counts(stages, microbatches, size):
+            p = attempt(stages, mesh, m)
+            if isinstance(p, MemoryLimitError):
+                continue  # more microbatches keep fewer activations: they may fit
+            if isinstance(p, AutoparError) or (
+                    previous is not None and p.cost["total_s"] >= previous.cost["total_s"]):
+                break  # refused (no stack, S does not divide it), or past the best M
+            previous = p
+    if best is None:
+        unfit = [e for e in errors if isinstance(e, MemoryLimitError)]
+        raise (MemoryLimitError if unfit else AutoparError)(
+            "pipeline='auto': no schedule could be planned; "
+            + "; ".join(f"{t['stages']} stage(s), microbatches={t['microbatches']}: "
+                        f"{t['left_out']}" for t in tried)) from (unfit or errors)[0]
+    (planning, decisions, p), mesh = best
+    p = dataclasses.replace(p, search_stats={**p.search_stats, "schedules_tried": tried})
+    return planning, decisions, p, mesh_of(p) if p.pipeline_stages > 1 else mesh
+
+
+def mesh_of(p: Plan) -> MeshShape:
+    sizes = dict(p.mesh)
+    return MeshShape(tuple(sizes), tuple(sizes.values()))
+
+
+def _staged_meshes(shape: MeshShape | int) -> list[tuple[int, MeshShape]]:
+    """(S, the mesh with a 'stage' axis of size S) for every S > 1 the mesh offers: its own
+    'stage' axis, or for a device count each divisor, the rest of the devices one 'data' axis
+    (each stage data parallel, in shares)."""
+    if isinstance(shape, MeshShape):
+        stages = shape.as_dict().get(STAGE_AXIS, 1)
+        return [(stages, shape)] if stages > 1 else []
+    return [(s, MeshShape((STAGE_AXIS, "data"), (s, shape // s)) if shape > s
+             else MeshShape((STAGE_AXIS,), (s,))) for s in range(2, shape + 1) if shape % s == 0]
+
+
+def _microbatch_counts(stages: int, microbatches: int | str, size: int) -> list[int]:
+    """The microbatch counts to weigh for `stages` stages: the count asked (at least 2), else
+    2S, 4S, 8S where they divide the batch of `size`."""
+    if isinstance(microbatches, int) and microbatches >= 2:
+        return [microbatches]
+    return [k * stages for k in MICROBATCHES_PER_STAGE if size % (k * stages) == 0]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).split("\n")[0]
+    return text if len(text) <= 300 else text[:297] + "..."
