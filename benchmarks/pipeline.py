@@ -80,8 +80,8 @@ def markdown(result: dict[str, Any]) -> str:
              "(XLA's cost_analysis), so they are not comparable across rows.", "",
              "Shares: each microbatch computed as so many shares, one per device group along "
              "the batch's other axes, the gradient reduced once after the loop (1: none).", "",
-             "| program | mesh | M | S | shares | bubble | collectives compiled MiB (inside loops) | "
-             "predicted MiB | permutes (MiB) | memory estimate MiB | compiled MiB | judged h100 "
+             "| program | mesh | M | S | shares | bubble | collectives compiled MiB (inside "
+             "loops) | predicted MiB | permutes (MiB) | memory estimate MiB | compiled MiB | judged h100 "
              "ms | estimated ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["pipeline"]:
         lines.append(
@@ -196,6 +196,7 @@ def choice_markdown(result: dict[str, Any]) -> str:
             f"{_schedule_name(r)} | "
             f"{r['planning_s']:.1f} | {totals['chosen'][0]:.0f} / {totals['chosen'][1]:.0f} | "
             f"{totals['flat'][0]:.0f} / {totals['flat'][1]:.0f} | "
-            f"{r['chosen']['judged_collective_ms']:.2f} / {r['flat']['judged_collective_ms']:.2f} | "
+            f"{r['chosen']['judged_collective_ms']:.2f} / "
+            f"{r['flat']['judged_collective_ms']:.2f} | "
             f"{r['chosen']['memory_bytes'] / MiB:.0f} / {r['flat']['memory_bytes'] / MiB:.0f} |")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
-from autopar.mesh import MeshShape
+from autopar.mesh import MeshShape, mesh_shape
 from autopar.schedule.accumulate import batch_size
 from autopar.schedule.gpipe import STAGE_AXIS
 from autopar.schedule.microbatches import planned_within
@@ -96,12 +96,7 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
                         f"{t['left_out']}" for t in tried)) from (unfit or errors)[0]
     (planning, decisions, p), mesh = best
     p = dataclasses.replace(p, search_stats={**p.search_stats, "schedules_tried": tried})
-    return planning, decisions, p, mesh_of(p) if p.pipeline_stages > 1 else mesh
-
-
-def mesh_of(p: Plan) -> MeshShape:
-    sizes = dict(p.mesh)
-    return MeshShape(tuple(sizes), tuple(sizes.values()))
+    return planning, decisions, p, mesh_shape(dict(p.mesh)) if p.pipeline_stages > 1 else mesh
 
 
 def _staged_meshes(shape: MeshShape | int) -> list[tuple[int, MeshShape]]:

@@ -144,7 +144,6 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     p = eqn.params
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
     s, m, g = stages, microbatches, groups
-    share = () if g == 1 else (g,)
     body = jaxpr_as_fun(micro.params["jaxpr"])
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     const_kinds, carry_kinds = kinds[:nc], kinds[nc:nc + ncarry]
