@@ -209,13 +209,17 @@ class Plan:
             if m.get("compiled_bytes"):
                 lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
         if self.pipeline_stages > 1:
-            lines.append(pipeline_line(self.pipeline_stages, self.microbatches))
+            lines.append(pipeline_line(self.pipeline_stages, self.microbatches,
+                                       self.microbatch_groups))
         elif self.microbatches > 1:
             reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
                        "once after the loop" if self.microbatch_groups > 1 else
                        "reduced in each microbatch")
             lines.append(f"gradient accumulated over {self.microbatches} microbatches, one "
                          f"after the other, {reduced}")
+        if self.search_stats.get("schedules_tried"):
+            lines.append("schedules weighed (pipeline='auto'): " + "; ".join(
+                schedule_line(t) for t in self.search_stats["schedules_tried"]))
         if self.recompute:
             lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
                          f" ms more compute): {', '.join(self.recompute)}")
@@ -294,8 +298,25 @@ def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
             for pattern in collapse([t.path for t in members])]
 
 
-def pipeline_line(stages: int, microbatches: int) -> str:
+def pipeline_line(stages: int, microbatches: int, shares: int = 1) -> str:
     """The summary's line for a pipelined plan."""
     return (f"layer stack pipelined over {stages} stages (the mesh's 'stage' axis) and "
             f"{microbatches} microbatches, GPipe schedule: {microbatches + stages - 1} ticks, "
-            f"bubble {(stages - 1) / (microbatches + stages - 1):.0%} of each stage's time")
+            f"bubble {(stages - 1) / (microbatches + stages - 1):.0%} of each stage's time"
+            + (f"; each stage's microbatch in {shares} shares, its gradient reduced once after "
+               "the loop" if shares > 1 else ""))
+
+
+def schedule_line(tried: dict) -> str:
+    """One schedule pipeline='auto' weighed (schedule/choice.py), for the summary."""
+    stages, m = tried["stages"], tried.get("microbatches")
+    if stages == 1:
+        name = "no pipeline" + (f", {m} microbatches" if isinstance(m, int) and m > 1 else "")
+    elif isinstance(stages, int):
+        name = f"{stages} stages x {m} microbatches"
+    else:  # why no stage count was weighed (a mesh without a 'stage' axis)
+        name = "a pipeline"
+    if "total_ms" in tried:
+        return f"{name}: {tried['total_ms']:.3f} ms"
+    why = tried["left_out"]
+    return f"{name}: left out ({why if len(why) <= 80 else why[:77] + '...'})"

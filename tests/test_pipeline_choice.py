@@ -24,6 +24,7 @@ def test_stage_local_data_parallel_reduces_the_gradient_once():
     plan = check_against_single_device(step, state, data, autopar.make_mesh(mesh),
                                        donate_argnums=0, microbatches=4, pipeline=2)
     assert plan.microbatch_groups == 4, plan.search_stats.get("reduced_per_microbatch")
+    assert "each stage's microbatch in 4 shares" in plan.summary()
     kinds = {c.kind for c in in_loops(step, state, data, mesh, microbatches=4, pipeline=2,
                                       donate_argnums=0)}
     assert "collective-permute" in kinds
@@ -77,6 +78,10 @@ def test_auto_pipelines_where_the_network_is_slow_and_not_where_it_is_fast():
         chosen[bandwidth] = plan.pipeline_stages
         if plan.pipeline_stages > 1:
             assert plan.microbatches >= 8 and "pipelined over 4 stages" in plan.summary()
+        # the JSON keeps what was weighed, and the summary shows it
+        again = autopar.Plan.from_json(plan.to_json()).summary()
+        assert "schedules weighed (pipeline='auto'): no pipeline: " in again
+        assert f"4 stages x {tried[1]['microbatches']} microbatches: " in again
     assert chosen == {1e9: 4, 450e9: 1}, chosen
 
 
@@ -86,6 +91,7 @@ def test_auto_on_a_mesh_without_a_stage_axis_says_why_it_did_not_pipeline():
     assert plan.pipeline_stages == 1
     (flat, why), = [plan.search_stats["schedules_tried"]]
     assert flat["stages"] == 1 and "no 'stage' axis" in why["left_out"]
+    assert "a pipeline: left out (the mesh has no 'stage' axis" in plan.summary()
 
 
 def test_auto_trains_equal_to_one_device_on_what_it_chose():
