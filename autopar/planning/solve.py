@@ -70,9 +70,13 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         # alone): the recursion commits early, and more choices can lead it astray
         # (encoder-decoder at d_model 768 on 2x4, h100: judged 5.55 ms from the whole space
         # alone, 4.07 with both; the MoE's best plan needs the whole space).
-        problem, solution, extra = min(
-            (solve_recursive(graph, mesh, hw, pinned, units, memory_weight, problems, narrow)
-             for narrow in (False, True)), key=lambda answer: answer[1].cost)
+        # One exact round (a mesh of one axis) is the whole space's optimum: the narrow
+        # space, a part of it, cannot beat it.
+        answers = [solve_recursive(graph, mesh, hw, pinned, units, memory_weight, problems)]
+        if not answers[0][2]["rounds"] == answers[0][2]["exact_rounds"] == 1:
+            answers.append(solve_recursive(graph, mesh, hw, pinned, units, memory_weight,
+                                           problems, narrow=True))
+        problem, solution, extra = min(answers, key=lambda answer: answer[1].cost)
         space = extra.pop("space")
     elif algorithm == "sharding_propagation":
         if not pinned:
