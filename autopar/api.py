@@ -39,7 +39,8 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          memory_limit: int | str | None = None, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
          donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
-         batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1) -> Plan:
+         batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1,
+         pipeline_repeats: int = 1) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -54,25 +55,26 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     the leanest plan needs. `static_argnums` / `static_argnames`, `donate_argnums` /
     `donate_argnames`: as in `auto_parallel` (the memory estimate holds an undonated state
     twice, the old and the new). `microbatches`, `batch_argnums`, `pipeline`: as in
-    `auto_parallel`.
+    `auto_parallel`, and `pipeline_repeats`.
     """
     _check_search(search)
     check_annotations_type(annotations)
     check_microbatches(microbatches)
-    check_pipeline(pipeline, microbatches, mesh)
+    check_pipeline(pipeline, microbatches, mesh, pipeline_repeats)
     call = Call(fn, Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                    donate_argnames), args, {})
     hw = get_profile(hardware)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     platform = compiler_platform(mesh, hw)
 
-    def traced(step: Callable, microbatches: int, groups: int, stages: int = 1) -> Planning:
+    def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
+               repeats: int = 1) -> Planning:
         return Planning.traced(step, call.abstract(), hw, search, annotations, call.donated,
-                               platform, microbatches, groups, stages)
+                               platform, microbatches, groups, stages, repeats)
 
     with young_objects_only():
         return planned_schedule(call, microbatches, batch_argnums, traced,
-                                mesh_or_count(mesh), limit, pipeline)[2]
+                                mesh_or_count(mesh), limit, pipeline, pipeline_repeats)[2]
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -83,7 +85,8 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                   static_argnames: str | Sequence[str] = (),
                   donate_argnums: int | Sequence[int] = (),
                   donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
-                  batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1) -> Any:
+                  batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1,
+                  pipeline_repeats: int = 1) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
@@ -114,9 +117,12 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     `pipeline=S` (with `microbatches=M`, on a mesh with a 'stage' axis of size S) runs the
     loss's layer stack (an nn.scan, a lax.scan over stacked weights) as S GPipe stages over
     the M microbatches in the one program (schedule/gpipe.py); the rest runs once.
+    `pipeline_repeats=R` makes it circular: each stage holds R chunks of L/(S R) layers, and
+    each microbatch goes round the stages R times (M >= S), so the bubble falls from
+    (S-1)/(M+S-1) to (S-1)/(R M+S-1) of a stage's time, at R times the shifts.
     `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
     fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
-    each divisor) and several microbatch counts, and keeps the schedule estimated fastest
+    each divisor), several microbatch counts and repeats, and keeps the schedule estimated fastest
     that fits `memory_limit` (schedule/choice.py).
     """
     if fn is None:
@@ -125,19 +131,19 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                                  static_argnums=static_argnums, static_argnames=static_argnames,
                                  donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                                  microbatches=microbatches, batch_argnums=batch_argnums,
-                                 pipeline=pipeline)
+                                 pipeline=pipeline, pipeline_repeats=pipeline_repeats)
     _check_real_mesh(mesh)
     _check_search(search)
     check_annotations_type(annotations)
     check_microbatches(microbatches)
-    check_pipeline(pipeline, microbatches, mesh)
+    check_pipeline(pipeline, microbatches, mesh, pipeline_repeats)
     plan = _saved_plan(plan, annotations)
     conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                  donate_argnames)
     hw = get_profile(hardware)
     return AutoParallel(fn, mesh, search, hw, plan, annotations,
                         resolve_memory_limit(memory_limit, hw, mesh), conventions, microbatches,
-                        batch_argnums, pipeline)
+                        batch_argnums, pipeline, pipeline_repeats)
 
 
 def _saved_plan(plan: Plan | str | os.PathLike | None, annotations: Annotations) -> Plan | None:
@@ -191,7 +197,7 @@ class AutoParallel:
                  saved: Plan | None, annotations: Annotations = None,
                  memory_limit: int | None = None, conventions: Conventions | None = None,
                  microbatches: int | str = 1, batch_argnums: int | Sequence[int] = -1,
-                 pipeline: int | str = 1) -> None:
+                 pipeline: int | str = 1, pipeline_repeats: int = 1) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
@@ -203,6 +209,7 @@ class AutoParallel:
             microbatches = saved.microbatches
         self.microbatches, self.batch_argnums = microbatches, batch_argnums
         self.stages = saved.pipeline_stages if saved is not None else pipeline
+        self.repeats = saved.pipeline_repeats if saved is not None else pipeline_repeats
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else mesh_or_count(mesh)
         # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
         self.platform = compiler_platform(mesh, hw)
@@ -229,7 +236,8 @@ class AutoParallel:
         return {"mesh": self.requested, "search": self.search, "hardware": self.hw,
                 "plan": self.saved, "annotations": self.annotations,
                 "memory_limit": self.memory_limit, "microbatches": self.microbatches,
-                "batch_argnums": self.batch_argnums, "pipeline": self.stages}
+                "batch_argnums": self.batch_argnums, "pipeline": self.stages,
+                "pipeline_repeats": self.repeats}
 
     def _make(self, call: Call) -> _Signature:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
@@ -253,26 +261,28 @@ class AutoParallel:
                             buffers=buffer_model(self.platform))
             return dataclasses.replace(plan, microbatches=self.microbatches,
                                        microbatch_groups=self.saved.microbatch_groups,
-                                       pipeline_stages=self.stages)
+                                       pipeline_stages=self.stages,
+                                       pipeline_repeats=self.repeats)
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled)
 
     def _step(self, call: Call) -> Callable:
         groups = self.saved.microbatch_groups if self.saved is not None else 1
-        return step_of(call, self.microbatches, self.batch_argnums, groups, self.stages)
+        return step_of(call, self.microbatches, self.batch_argnums, groups, self.stages,
+                       self.repeats)
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        def traced(step: Callable, microbatches: int, groups: int, stages: int = 1
-                   ) -> Planning:
+        def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
+                   repeats: int = 1) -> Planning:
             return Planning.traced(step, call.abstract(), self.hw, self.search,
                                    self.annotations, call.donated, self.platform, microbatches,
-                                   groups, stages)
+                                   groups, stages, repeats)
 
         planning, decisions, p, shape = planned_schedule(
             call, self.microbatches, self.batch_argnums, traced, shape, self.memory_limit,
-            self.stages)
+            self.stages, self.repeats)
 
         def make(decisions: Decisions, p: Plan) -> _Signature:
             return self._signature(planning.graph, decisions, dict(p.mesh),

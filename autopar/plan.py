@@ -150,6 +150,7 @@ class Plan:
     # axes, their gradients summed once after the loop (1: reduced in every microbatch)
     microbatch_groups: int = 1
     pipeline_stages: int = 1  # stages of the loss's layer stack (schedule/gpipe.py)
+    pipeline_repeats: int = 1  # rounds each microbatch makes through them (circular schedule)
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -210,7 +211,7 @@ class Plan:
                 lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
         if self.pipeline_stages > 1:
             lines.append(pipeline_line(self.pipeline_stages, self.microbatches,
-                                       self.microbatch_groups))
+                                       self.microbatch_groups, self.pipeline_repeats))
         elif self.microbatches > 1:
             reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
                        "once after the loop" if self.microbatch_groups > 1 else
@@ -298,11 +299,14 @@ def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
             for pattern in collapse([t.path for t in members])]
 
 
-def pipeline_line(stages: int, microbatches: int, shares: int = 1) -> str:
+def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int = 1) -> str:
     """The summary's line for a pipelined plan."""
+    ticks = repeats * microbatches + stages - 1
+    schedule = ("GPipe schedule" if repeats == 1 else
+                f"circular schedule, {repeats} rounds through the stages")
     return (f"layer stack pipelined over {stages} stages (the mesh's 'stage' axis) and "
-            f"{microbatches} microbatches, GPipe schedule: {microbatches + stages - 1} ticks, "
-            f"bubble {(stages - 1) / (microbatches + stages - 1):.0%} of each stage's time"
+            f"{microbatches} microbatches, {schedule}: {ticks} ticks, "
+            f"bubble {(stages - 1) / ticks:.0%} of each stage's time"
             + (f"; each stage's microbatch in {shares} shares, its gradient reduced once after "
                "the loop" if shares > 1 else ""))
 
@@ -314,6 +318,8 @@ def schedule_line(tried: dict) -> str:
         name = "no pipeline" + (f", {m} microbatches" if isinstance(m, int) and m > 1 else "")
     elif isinstance(stages, int):
         name = f"{stages} stages x {m} microbatches"
+        if tried.get("repeats", 1) > 1:
+            name += f" x {tried['repeats']} rounds"
     else:  # why no stage count was weighed (a mesh without a 'stage' axis)
         name = "a pipeline"
     if "total_ms" in tried:

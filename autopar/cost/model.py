@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
-from autopar.rules.kinds import FUSED, FUSING_READERS
+from autopar.rules.kinds import FUSED, FUSING_READERS, ROTATE
 from autopar.rules.layout import shifts
 from autopar.trace.ir import Op, OpGraph, Tensor
 
@@ -113,7 +113,7 @@ def op_signature(op: Op, tensors: Sequence[Tensor], facts: ValueFacts = ValueFac
     """Equal for operators that cost the same under the same strategy (the same operator of
     every block): op_time and op_collectives read nothing else of the op."""
     return (op.primitive, op.repeat, str(op.params.get("dimension_numbers")),
-            str(op.params.get("padding_config")),
+            str(op.params.get("padding_config")), op.params.get("shift"),
             tuple((tensors[t].shape, tensors[t].dtype, t in facts.fused, t in facts.combined)
                   for t in (*op.inputs, *op.outputs)))
 
@@ -149,8 +149,9 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
 def _shifted(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
              ) -> list[tuple[tuple[str, ...], float]]:
     """(axes, bytes each device sends) of the collective-permutes a pad that shifts a split
-    dimension needs (rules.layout.shifts): the rows that cross into the next device's block."""
-    if op.primitive != "pad":
+    dimension needs (rules.layout.shifts), or a rotation's: the rows that cross into the next
+    device's block."""
+    if op.primitive not in ("pad", ROTATE):
         return []
     out = []
     spec = strategy.out_specs[0]

@@ -88,10 +88,11 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
         count(collectives)
         for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
             if not tensors[t].const and t in specs and specs[t] != need:
-                move = op.repeat * reshard_time(tensors[t], specs[t], need, mesh, hw)
+                times = op.operand_repeat(i)
+                move = times * reshard_time(tensors[t], specs[t], need, mesh, hw)
                 if (t, need) not in moved:
                     moved.add((t, need))
-                    count(reshard_collectives(tensors[t], specs[t], need, mesh), op.repeat)
+                    count(reshard_collectives(tensors[t], specs[t], need, mesh), times)
                 m += move
                 at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
                 moves.append(Redistribution(

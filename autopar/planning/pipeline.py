@@ -47,6 +47,7 @@ class Planning:
     microbatches: int = 1  # the gradient accumulated over this many (autopar.schedule.accumulate)
     microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
     pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
+    pipeline_repeats: int = 1  # that many times round (the circular schedule)
     # Under a memory limit, dynamic_programming proves the price search's answer where its
     # tables fit (budget.py); False keeps the prices' answer, found sooner.
     prove: bool = True
@@ -58,18 +59,19 @@ class Planning:
     def traced(cls, fn: Callable, args: Sequence[Any], hw: Hardware, search: str,
                annotations: Annotations = None, donated: frozenset[int] = frozenset(),
                platform: str | None = None, microbatches: int = 1,
-               microbatch_groups: int = 1, pipeline_stages: int = 1) -> Planning:
+               microbatch_groups: int = 1, pipeline_stages: int = 1,
+               pipeline_repeats: int = 1) -> Planning:
         """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
         estimate reads) for a compiler of `platform` (default: the hardware profile's);
-        `microbatches`, `microbatch_groups`, `pipeline_stages`: how `fn` accumulates its
-        gradient, for the plan to say."""
+        `microbatches`, `microbatch_groups`, `pipeline_stages`, `pipeline_repeats`: how `fn`
+        accumulates its gradient, for the plan to say."""
         t0 = time.perf_counter()
         platform = platform or hw.platform
         graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
         return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
                    annotations, buffer_model(platform), time.perf_counter() - t0,
                    microbatches=microbatches, microbatch_groups=microbatch_groups,
-                   pipeline_stages=pipeline_stages)
+                   pipeline_stages=pipeline_stages, pipeline_repeats=pipeline_repeats)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
              ) -> tuple[Decisions, Plan]:
@@ -104,7 +106,7 @@ class Planning:
                           self.out_tree, memory_limit, self.buffers)
         return chosen.decisions, dataclasses.replace(
             plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups,
-            pipeline_stages=self.pipeline_stages)
+            pipeline_stages=self.pipeline_stages, pipeline_repeats=self.pipeline_repeats)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:

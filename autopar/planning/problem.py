@@ -240,7 +240,7 @@ def _resharding(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int
             if graph.tensors[t].const or t not in producer:
                 continue
             p, k = producer[t]
-            connect(t, (p, "out", k), (u, "in", i), unit.op.repeat if unit.op else 1)
+            connect(t, (p, "out", k), (u, "in", i), unit.op.operand_repeat(i) if unit.op else 1)
     # The state a step returns is the next step's input: its sharding should not change.
     for out_index, in_index in graph.state_pairs.items():
         t_out, t_in = graph.outputs[out_index], graph.inputs[in_index]

@@ -42,9 +42,12 @@ ELEMENTWISE = CHEAP_ELEMENTWISE | OTHER_ELEMENTWISE | MARKS
 RANDOM_ELEMENTWISE = frozenset({"random_seed", "random_fold_in", "random_clone", "threefry2x32",
                                 "threefry4x32", "random_gamma"})
 
-# Layout operators that are one HLO instruction, cheap to XLA's fusion like CHEAP_ELEMENTWISE.
+# The circular pipeline's roll along the stages (autopar.schedule.rotate), by name.
+ROTATE = "autopar_rotate"
+# Layout operators that are one HLO instruction, cheap to XLA's fusion like CHEAP_ELEMENTWISE
+# (a rotation: two slices and a concatenation, one collective-permute where split).
 LAYOUT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-                    "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice"})
+                    "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", ROTATE})
 # Layout primitives of jax that lower to several HLO instructions (or a bitcast); fused, but
 # not measured as cheap.
 COMPOSITE_LAYOUT = frozenset({"split", "bitcast_convert_type", "stack", "unstack", "tile"})

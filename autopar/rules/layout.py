@@ -123,9 +123,17 @@ def pad(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 def shifts(params: dict) -> dict[int, int]:
     """{dimension: rows moved} for a pad's dimensions that shift (low k, high -k, no
-    interior padding)."""
+    interior padding), or a rotation's (autopar.schedule.rotate)."""
+    if "shift" in params:
+        return {params["axis"]: abs(params["shift"])}
     return {d: abs(lo) for d, (lo, hi, interior) in enumerate(params["padding_config"])
             if lo and lo == -hi and not interior}
+
+
+def rotate(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
+    """Every dimension splits: each device sends the rows that cross into another's block, one
+    collective-permute (`shifts`)."""
+    return whole_dims_shared(ins, outs, [True] * len(ins[0]), 0)
 
 
 def dynamic_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:

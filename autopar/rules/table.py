@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from autopar.rules.factors import Dims, Rule
-from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, RANDOM_ELEMENTWISE, REDUCTIONS
+from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, RANDOM_ELEMENTWISE, REDUCTIONS, ROTATE
 from autopar.rules.layout import (Factors, broadcast_in_dim, concatenate, dynamic_slice,
-                                  dynamic_update_slice, expand_dims, pad, reshape, rev, slice_rule,
-                                  split, squeeze, stack, tile, transpose, unstack)
+                                  dynamic_update_slice, expand_dims, pad, reshape, rev, rotate,
+                                  slice_rule, split, squeeze, stack, tile, transpose, unstack)
 
 Shape = tuple[int, ...]
 RuleFn = Callable[[list[Shape], list[Shape], dict[str, Any]], Rule]
@@ -311,7 +311,7 @@ RULES: dict[str, RuleFn] = {
     "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "reshape": reshape,
     "squeeze": squeeze, "expand_dims": expand_dims, "dot_general": dot_general,
     "conv_general_dilated": conv, "concatenate": concatenate, "slice": slice_rule, "pad": pad,
-    "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
+    ROTATE: rotate, "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
     "gather": gather, "scatter-add": scatter_add, "scatter_add": scatter_add, "scatter": scatter,
     # Other combiners: the same factors except the reduction one (partial results of a
     # product, min, max or difference are not summed).

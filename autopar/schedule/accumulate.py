@@ -80,25 +80,27 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
 
 
 def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int],
-            groups: int = 1, stages: int = 1) -> Callable:
+            groups: int = 1, stages: int = 1, repeats: int = 1) -> Callable:
     """The step autopar traces: the call's, its gradient accumulated over `microbatches`
     (kept per share of `groups` device groups, see the module's docstring), or its loss's
-    layer stack pipelined over `stages` (gpipe.py)."""
+    layer stack pipelined over `stages`, `repeats` times round (gpipe.py)."""
     if microbatches == 1 and stages == 1:
         return call.step()
     return accumulating(call.step(), microbatches,
-                        call.traced_positions(batch_argnums, "batch_argnums"), groups, stages)
+                        call.traced_positions(batch_argnums, "batch_argnums"), groups, stages,
+                        repeats)
 
 
 def accumulating(step: Callable, microbatches: int, batch: Sequence[int],
-                 groups: int = 1, stages: int = 1) -> Callable:
+                 groups: int = 1, stages: int = 1, repeats: int = 1) -> Callable:
     """`step` (a function of its traced arguments) with its value_and_grad accumulated over
     `microbatches`; `batch`: the positions of the arguments split into microbatches;
     `groups`: the shares each microbatch is computed in, side by side; `stages`: pipeline
-    stages of the loss's layer stack."""
+    stages of the loss's layer stack, `repeats` times round."""
     @functools.wraps(step)  # the step's name and signature: its inputs' paths
     def run(*args: Any) -> Any:
-        accumulation = _Accumulation(step, microbatches, tuple(batch), args, groups, stages)
+        accumulation = _Accumulation(step, microbatches, tuple(batch), args, groups, stages,
+                                     repeats)
         token = _ACTIVE.set(accumulation)
         try:
             out = step(*args)
@@ -123,6 +125,7 @@ class _Accumulation:
     args: tuple
     groups: int = 1  # shares of each microbatch, computed side by side and summed after the loop
     stages: int = 1  # >1: the loss's layer stack pipelined over so many (gpipe.py)
+    repeats: int = 1  # >1: the circular schedule's rounds through the stages
     calls: int = 0
     mode: str = "full"  # "probe": trace a microbatch's loss; "microbatch": run one
     captured: Any = None
@@ -148,7 +151,8 @@ class _Accumulation:
                                 diff_leaves(args, argnums))
         if self.stages > 1:
             return pipelined_value_and_grad(analysis, full, jax.tree_util.tree_structure(
-                out_shape), args, argnums, options, self.stages, self.microbatches, self.groups)
+                out_shape), args, argnums, options, self.stages, self.microbatches, self.groups,
+                self.repeats)
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
         return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
 

@@ -10,7 +10,10 @@ What is weighed:
 - for each S, the microbatches asked, or M = 2S, 4S, 8S (those that divide the batch), in that
   order until one more is estimated slower than the one before: a larger M shrinks the
   bubble, (S-1)/(M+S-1), and each microbatch's activations, while each tick's fixed costs
-  (latencies, small products) grow with the tick count.
+  (latencies, small products) grow with the tick count;
+- at that S and M, the circular schedule with R = 2, 4, ... rounds (the repeats asked, where
+  more than 1), while R S divides the stack and the estimate falls: the bubble shrinks to
+  (S-1)/(R M+S-1) while the shifts between stages grow R times.
 The stack's layers are split evenly, L/S consecutive layers per stage: the stack repeats one
 layer, so every stage does the same work and an even split is the balanced one.
 
@@ -36,30 +39,33 @@ if TYPE_CHECKING:
 
 Planned = tuple["Planning", "Decisions", "Plan"]
 MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first
+ROUNDS = (2, 4, 8)  # the circular schedule's rounds weighed, fewest first
 
 
 def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                      traced: Callable[..., Planning], shape: MeshShape | int,
-                     limit: int | None, pipeline: int | str
+                     limit: int | None, pipeline: int | str, repeats: int = 1
                      ) -> tuple[Planning, Decisions, Plan, MeshShape | int]:
     """(Planning, Decisions, Plan, the mesh to plan it on again): `planned_within`'s plan for
     a stage count given, or for pipeline="auto" the fastest estimated schedule that fits (see
     the module's docstring)."""
     if pipeline != "auto":
         return (*planned_within(call, microbatches, batch_argnums, traced, shape, limit,
-                                pipeline), shape)
+                                pipeline, repeats), shape)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     size = batch_size(call.abstract(), positions, 1)
     tried: list[dict] = []
     best: tuple[Planned, MeshShape | int] | None = None
     errors: list[AutoparError] = []
 
-    def attempt(stages: int, mesh: MeshShape | int, m: int | str
+    def attempt(stages: int, mesh: MeshShape | int, m: int | str, rounds: int = 1
                 ) -> Plan | AutoparError:
         nonlocal best
-        entry = {"stages": stages, "mesh": str(mesh), "microbatches": m}
+        entry = {"stages": stages, "mesh": str(mesh), "microbatches": m,
+                 **({"repeats": rounds} if rounds > 1 else {})}
         try:
-            planned = planned_within(call, m, batch_argnums, traced, mesh, limit, stages)
+            planned = planned_within(call, m, batch_argnums, traced, mesh, limit, stages,
+                                     rounds)
         except AutoparError as e:
             errors.append(e)
             tried.append({**entry, "left_out": _first_line(e)})
@@ -81,12 +87,19 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
     for stages, mesh in _staged_meshes(shape):
         previous = None
         for m in _microbatch_counts(stages, microbatches, size):
-            p = attempt(stages, mesh, m)
+            p = attempt(stages, mesh, m, repeats)
             if isinstance(p, MemoryLimitError):
                 continue  # more microbatches keep fewer activations: they may fit
             if isinstance(p, AutoparError) or (
                     previous is not None and p.cost["total_s"] >= previous.cost["total_s"]):
                 break  # refused (no stack, S does not divide it), or past the best M
+            previous = p
+        if previous is None or repeats > 1:
+            continue
+        for rounds in ROUNDS:  # the circular schedule at the best M
+            p = attempt(stages, mesh, previous.microbatches, rounds)
+            if isinstance(p, AutoparError) or p.cost["total_s"] >= previous.cost["total_s"]:
+                break  # R S does not divide the stack, or more rounds cost more
             previous = p
     if best is None:
         unfit = [e for e in errors if isinstance(e, MemoryLimitError)]

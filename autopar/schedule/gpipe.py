@@ -36,22 +36,32 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
 from autopar.schedule.layout import regroup, strided, unstrided
+from autopar.schedule.rotate import rotate
 from autopar.schedule.separable import Separability, eqn_source
 from autopar.trace.shard import shard
 
 STAGE_AXIS = "stage"
 
 
-def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any) -> None:
+def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
+                   repeats: int = 1) -> None:
     """An AutoparError unless `pipeline` is "auto" (schedule/choice.py) or a stage count that
     `mesh` (a Mesh, a dict of axis sizes; a device count has no 'stage' axis) has as its
-    'stage' axis, with an int `microbatches` of at least 2 where it is more than 1."""
+    'stage' axis, with an int `microbatches` of at least 2 where it is more than 1, and
+    `repeats` (circular rounds) a positive int, more than 1 only with stages and at least as
+    many microbatches as stages."""
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise AutoparError(f"pipeline_repeats={repeats!r}: a count of rounds through the stages "
+                           "is needed (1: GPipe's one round).")
     if pipeline == "auto":
         return
     if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
         raise AutoparError(f"pipeline={pipeline!r}: a stage count is needed (1: no pipeline), "
                            "or 'auto' (the schedule chosen with the plan).")
     if pipeline == 1:
+        if repeats > 1:
+            raise AutoparError(f"pipeline_repeats={repeats} sends microbatches round the "
+                               "stages, and there is no pipeline. Fix: pass pipeline=S too.")
         return
     if not isinstance(microbatches, int) or microbatches < 2:
         raise AutoparError(
@@ -59,6 +69,11 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any) -> N
             f"{microbatches!r} was given. Fix: pass microbatches=M, M >= 2 (the bubble is "
             f"(S-1)/(M+S-1) of each stage's time: M = {4 * pipeline} leaves "
             f"{(pipeline - 1) / (5 * pipeline - 1):.0%}).")
+    if repeats > 1 and microbatches < pipeline:
+        raise AutoparError(
+            f"pipeline_repeats={repeats} sends each microbatch back to the first of {pipeline} "
+            f"stages when it leaves the last, which needs at least as many microbatches as "
+            f"stages, and microbatches={microbatches}. Fix: microbatches={pipeline} or more.")
     sizes = (dict(mesh.shape) if hasattr(mesh, "shape") and hasattr(mesh, "axis_names")
              else dict(mesh) if isinstance(mesh, dict) else {})
     if sizes.get(STAGE_AXIS) != pipeline:
@@ -71,11 +86,12 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any) -> N
 
 def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, args: tuple,
                              argnums: int | Sequence[int], options: dict, stages: int,
-                             microbatches: int, groups: int = 1) -> Any:
+                             microbatches: int, groups: int = 1, repeats: int = 1) -> Any:
     """The loss's value and gradient, its layer stack pipelined (see the module's docstring).
     `full`: the loss's jaxpr at the full batch; `analysis`: its separability (at
-    `microbatches` x `groups` parts); `groups`: shares per microbatch (see `_pipeline`)."""
-    stack = _find_stack(analysis, full, stages)
+    `microbatches` x `groups` parts); `groups`: shares per microbatch (see `_pipeline`);
+    `repeats`: the circular schedule's rounds through the stages."""
+    stack = _find_stack(analysis, full, stages, repeats)
     flat = jax.tree_util.tree_leaves(args)
     diff = analysis.diff_leaves
 
@@ -86,7 +102,8 @@ def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, a
 
         def run_stack(values: list) -> list:
             kinds, micro = analysis.loops[id(stack)]
-            return _pipeline(stack, micro, kinds, values, stages, microbatches, groups)
+            return _pipeline(stack, micro, kinds, values, stages, microbatches, groups,
+                             repeats)
         outs = _evaluate(full.jaxpr, list(full.consts), leaves, stack, run_stack)
         return outs[0], outs
 
@@ -95,9 +112,11 @@ def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, a
     return jax.tree_util.tree_unflatten(out_tree, outs), regroup(grads, args, argnums)
 
 
-def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
+def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1) -> Any:
     """The loss's layer stack: its longest loop that keeps examples apart, carries only
-    per-example values and whose length `stages` divides."""
+    per-example values and whose length `stages` x `repeats` divides."""
+    chunks = stages * repeats
+    what = f"{stages} stages" + (f" x {repeats} repeats" if repeats > 1 else "")
     used_later = _used_after(full.jaxpr)
     found, why = [], []
     for eqn in full.jaxpr.eqns:
@@ -109,8 +128,8 @@ def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
         where = f"the loop of {length} at {eqn_source(eqn)}"
         if kinds is None:
             why.append(f"{where} mixes examples")
-        elif length % stages:
-            why.append(f"{where}: {stages} stages do not divide {length} layers")
+        elif length % chunks:
+            why.append(f"{where}: {what} do not divide {length} layers")
         elif any(k.batch is None for k in kinds[p["num_consts"]:p["num_consts"] + ncarry]):
             why.append(f"{where} carries a value without the batch dimension")
         elif any(k.batch is not None for k in kinds[p["num_consts"] + ncarry:]):
@@ -125,12 +144,12 @@ def _find_stack(analysis: Separability, full: Any, stages: int) -> Any:
             "loss has no stack autopar can pipeline" + (f" ({'; '.join(why)})" if why else
                                                           " (no loop over layers)") +
             ". Fix: write the repeated layers as one nn.scan (or lax.scan over stacked "
-            f"weights) whose length {stages} divides, or train without pipeline=.")
+            f"weights) whose length {chunks} divides, or train without pipeline=.")
     return max(found, key=lambda f: f[0])[1]
 
 
 def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
-              microbatches: int, groups: int = 1) -> list:
+              microbatches: int, groups: int = 1, repeats: int = 1) -> list:
     """The stack equation's outputs, computed by the pipeline (`micro`: the equation traced
     at one microbatch, or one share of one, whose body each stage runs).
 
@@ -143,7 +162,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     gradient reduced once per step, not once per tick."""
     p = eqn.params
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
-    s, m, g = stages, microbatches, groups
+    s, m, g, r = stages, microbatches, groups, repeats
     body = jaxpr_as_fun(micro.params["jaxpr"])
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     const_kinds, carry_kinds = kinds[:nc], kinds[nc:nc + ncarry]
@@ -157,58 +176,80 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         return x if g == 1 else jnp.broadcast_to(
             jnp.expand_dims(x, lead), (*shape[:lead], g, *shape[lead:]))
 
-    layers = [shard(copies(jnp.reshape(x, (s, length // s, *jnp.shape(x)[1:])), 1),
-                    PartitionSpec(STAGE_AXIS)) for x in xs]
+    layers = [shard(copies(_stage_layers(x, s, r), 1), PartitionSpec(STAGE_AXIS)) for x in xs]
     inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
                 if k.batch is not None}
     fixed = {i: copies(c, 0) for i, c in enumerate(consts) if i not in streamed}
     stage_ids = jnp.arange(s)
-    stage = _stage(body, const_kinds, carry_kinds, ncarry)
+    stage = _stage(body, const_kinds, carry_kinds, ncarry, r)
     if g > 1:
-        stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None))
+        stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None, None))
 
     # Per tick and stage, [T, S, ...] split over the stage axis, laid out before the loop:
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
     # each stage computes. Inside the loop each stage reads its own (no collective), and the
     # gradient of the first stage's inputs leaves the loop as one [T, S, ...] value.
-    ticks = m + s - 1
-    mb = jnp.arange(ticks)[:, None] - stage_ids[None, :]  # the microbatch of (tick, stage)
-    valid = (mb >= 0) & (mb < m)
-    index = jnp.clip(mb, 0, m - 1)
+    # Stage s computes at tick t the (t-s)-th of the R*M passes: microbatch (t-s) mod M, in
+    # repeat (t-s) div M.
+    ticks = r * m + s - 1
+    passes = jnp.arange(ticks)[:, None] - stage_ids[None, :]
+    valid = (passes >= 0) & (passes < r * m)
+    index = jnp.clip(passes, 0, r * m - 1) % m
+    repeat = jnp.clip(passes, 0, r * m - 1) // m
+    fresh = jnp.arange(ticks) < m  # ticks where the first stage takes a new microbatch
     first = [_per_stage(jnp.where(_lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
              for x in inputs]
     streamed_xs = {i: _per_stage(v[index]) for i, v in streamed.items()}
+    delay = m - s  # ticks a pass waits between the last stage and the first's next repeat
 
-    def tick(state: list, xs: tuple) -> tuple[list, list]:
-        first_t, streamed_t, valid_t = xs
-        shifted = [jnp.where(_lead_mask(stage_ids == 0, f.ndim - 1), f, _shift(x))
-                   for f, x in zip(first_t, state)]
-        new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0))(
-            layers, fixed, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t)
+    def tick(carried: tuple, xs: tuple) -> tuple[tuple, list]:
+        state, waiting = carried
+        first_t, streamed_t, valid_t, repeat_t, fresh_t = xs
+        if r > 1:  # round the stages: the last stage's output reaches the first, which
+            moved = [_per_stage(rotate(x), 0) for x in state]  # takes it `delay` ticks later
+            back = [w[:, 0] for w in waiting] if delay else moved
+            waiting = [jnp.concatenate([w[:, 1:], m[:, None]], axis=1)
+                       for w, m in zip(waiting, moved)] if delay else waiting
+            first_t = [jnp.where(fresh_t, f, b) for f, b in zip(first_t, back)]
+        else:
+            moved = [_shift(x) for x in state]
+        shifted = [jnp.where(_lead_mask(stage_ids == 0, f.ndim - 1), f, x)
+                   for f, x in zip(first_t, moved)]
+        new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0, 0))(
+            layers, fixed, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t, repeat_t)
         new = [_per_stage(x, 0) for x in new]
-        return new, new
+        return (new, waiting), new
 
     state = [_per_stage(jnp.zeros((s, *x.shape[1:]), x.dtype), 0) for x in inputs]
-    _, outputs = jax.lax.scan(tick, state, (first, streamed_xs, valid))
-    # The last stage's outputs at ticks S-1 .. M+S-2 (microbatches 0 .. M-1, in order), taken
-    # by a sum over the stages masked to the last: an all-reduce of one stage's outputs, where
-    # indexing the split dimension gathers every stage's.
+    waiting = [_per_stage(jnp.zeros((s, delay, *x.shape[1:]), x.dtype), 0) for x in inputs
+               ] if r > 1 and delay else []
+    _, outputs = jax.lax.scan(tick, (state, waiting), (first, streamed_xs, valid, repeat, fresh))
+    # The last stage's outputs at the last M ticks (the last repeat's microbatches 0 .. M-1, in
+    # order), taken by a sum over the stages masked to the last: an all-reduce of one stage's
+    # outputs, where indexing the split dimension gathers every stage's.
     last = stage_ids == s - 1
-    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(_lead_mask(last, y.ndim - 2), y[s - 1:],
+    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(_lead_mask(last, y.ndim - 2), y[-m:],
                                                      0), axis=1), size, g), 0, k.batch)
             for y, k in zip(outputs, carry_kinds)]
     unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
     return outs + unused
 
 
-def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int) -> Callable:
+def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
+           repeats: int = 1) -> Callable:
     """One stage's computation at one tick (of one share): its layers in turn on its
     microbatch (carries with the batch dimension first), the stack's fixed constants `fixed`
-    ({position: value}), the streamed ones its microbatch's; `valid` False in the bubble."""
-    def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any) -> list:
+    ({position: value}), the streamed ones its microbatch's; `valid` False in the bubble.
+    With `repeats` R > 1 the stage holds R chunks of layers, [R, L/(S R), ...], and runs the
+    chunk of the pass's repeat."""
+    def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any,
+              repeat: Any) -> list:
         def guard(x: Any) -> Any:  # the bubble's values reach no gradient
             return jnp.where(valid, x, jax.lax.stop_gradient(x))
+        if repeats > 1:
+            layers_s = [jax.lax.dynamic_index_in_dim(x, repeat, 0, keepdims=False)
+                        for x in layers_s]
         layers_s, carry_s = [guard(x) for x in layers_s], [guard(c) for c in carry_s]
         consts_s = [jnp.moveaxis(streamed_s[i], 0, kind.batch) if i in streamed_s
                     else fixed[i] for i, kind in enumerate(const_kinds)]
@@ -219,6 +260,17 @@ def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int) ->
             return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
         return jax.lax.scan(layer, carry_s, layers_s)[0]
     return stage
+
+
+def _stage_layers(x: Any, stages: int, repeats: int) -> Any:
+    """A per-layer input [L, ...] as each stage holds it: [S, L/S, ...], layers s L/S .. of
+    stage s; with R repeats [S, R, L/(S R), ...], chunk r of stage s the layers of the
+    (r S + s)-th of the S R consecutive chunks (the circular schedule's placement)."""
+    length, rest = x.shape[0], x.shape[1:]
+    if repeats == 1:
+        return jnp.reshape(x, (stages, length // stages, *rest))
+    chunks = jnp.reshape(x, (repeats, stages, length // (stages * repeats), *rest))
+    return jnp.swapaxes(chunks, 0, 1)
 
 
 def _shift(x: Any) -> Any:

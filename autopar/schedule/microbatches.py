@@ -43,22 +43,25 @@ def check_microbatches(microbatches: int | str) -> None:
 
 def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                    traced: Callable[..., Planning], shape: MeshShape | int,
-                   limit: int | None, stages: int = 1) -> tuple[Planning, Decisions, Plan]:
+                   limit: int | None, stages: int = 1, repeats: int = 1
+                   ) -> tuple[Planning, Decisions, Plan]:
     """(Planning, Decisions, Plan): the step traced by `traced(step, M, groups)` and planned
     on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
     loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
-    why not). With `stages`, the loss's layer stack pipelined (gpipe.py), in shares on the
+    why not). With `stages`, the loss's layer stack pipelined (gpipe.py; `repeats` times
+    round), in shares on the
     other axes where that is no slower."""
     def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
-        planning = traced(step_of(call, m, batch_argnums, 1, stages), m, 1, stages)
+        planning = traced(step_of(call, m, batch_argnums, 1, stages, repeats), m, 1, stages,
+                          repeats)
         return planning, planning.plan(shape, limit)
 
     (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
                                                        batch_argnums)
     if p.microbatches > 1:
         planning, decisions, p = _reduced_once(call, batch_argnums, traced, limit,
-                                               (planning, decisions, p), stages)
+                                               (planning, decisions, p), stages, repeats)
     if len(tried) > 1:
         p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
     return planning, decisions, p
@@ -66,7 +69,8 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
 
 def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
                   traced: Callable[..., Planning], limit: int | None,
-                  first: tuple[Planning, Decisions, Plan], stages: int = 1
+                  first: tuple[Planning, Decisions, Plan], stages: int = 1,
+                  repeats: int = 1
                   ) -> tuple[Planning, Decisions, Plan]:
     """`first` (a plan accumulating per microbatch, or pipelining over `stages`), or the same
     step with its gradient kept per share of G device groups and reduced once after the loop,
@@ -88,8 +92,8 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
                               f"divide the batch of {size}")
     try:
-        grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups, stages),
-                                  p.microbatches, groups, stages)
+        grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups, stages,
+                                          repeats), p.microbatches, groups, stages, repeats)
         grouped_decisions, grouped = grouped_planning.plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
         return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),

@@ -50,6 +50,13 @@ class Op:
     scope: str = ""  # the module path of its name stack, transformations left out
     backward: bool = False  # made by transposition: part of the backward pass
 
+    def operand_repeat(self, i: int) -> int:
+        """How often operand i is read per step: a loop carry's next value (operand 1 of
+        scan_carry, from the body) once per iteration, anything else as often as the op runs."""
+        if self.primitive == "scan_carry" and i == 1:
+            return self.repeat * self.params.get("length", 1)
+        return self.repeat
+
 
 @dataclass(frozen=True)
 class Step:

@@ -205,7 +205,7 @@ class _Builder:
             carry_in.append(tid)
             # The carry op ties the initial value and the body's carry-out to one sharding; its
             # second operand is filled in once the body has been walked.
-            op = self.add_op("scan_carry", (init,), (tid,), {}, source, repeat)
+            op = self.add_op("scan_carry", (init,), (tid,), {"length": length}, source, repeat)
             carry_ops.append(op)
             requires[n_const + i] = (op, 0)
         x_in = []
