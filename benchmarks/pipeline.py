@@ -20,13 +20,17 @@ import optax
 import autopar
 from autopar.cost.hardware import get_profile
 from autopar.cost.hlo import collectives, compiled_memory_bytes
+from benchmarks import pipeline_expert
 
 MiB = 2**20
 CONFIG = dict(vocab=512, d_model=128, heads=4, layers=8, scan=True)
-# name -> (mesh, microbatches, stages)
-CASES = {"one batch": ({"data": 8}, 1, 1), "accumulated": ({"data": 8}, 8, 1),
-         "2 stages": ({"stage": 2, "data": 4}, 8, 2), "4 stages": ({"stage": 4, "data": 2}, 8, 4),
-         "8 stages": ({"stage": 8}, 8, 8)}
+# name -> (mesh, microbatches, stages, rounds through the stages: the circular schedule)
+CASES = {"one batch": ({"data": 8}, 1, 1, 1), "accumulated": ({"data": 8}, 8, 1, 1),
+         "2 stages": ({"stage": 2, "data": 4}, 8, 2, 1),
+         "2 stages, circular": ({"stage": 2, "data": 4}, 8, 2, 2),
+         "4 stages": ({"stage": 4, "data": 2}, 8, 4, 1),
+         "4 stages, circular": ({"stage": 4, "data": 2}, 8, 4, 2),
+         "8 stages": ({"stage": 8}, 8, 8, 1)}
 
 
 def gpt(batch: int, **config: Any) -> tuple[Callable, Any, Any]:
@@ -36,37 +40,58 @@ def gpt(batch: int, **config: Any) -> tuple[Callable, Any, Any]:
                              autopar.value_and_grad), state, data
 
 
-def run(cases: dict[str, tuple[dict, int, int]] = CASES, batch: int = 64,
-        config: dict | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    step, state, data = gpt(batch, **(config or {}))
+def run(cases: dict[str, tuple[dict, int, int, int]] = CASES, batch: int = 64,
+        config: dict | None = None, experts: bool = True,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each case planned and compiled; with `experts`, after each GPipe case (S > 1, one
+    round) the hand-written GPipe of the same S and M (pipeline_expert.py) compiled too."""
+    config = {**CONFIG, **(config or {})}
+    step, state, data = gpt(batch, **config)
     rows = []
-    for name, (axes, m, s) in cases.items():
+    for name, (axes, m, s, rounds) in cases.items():
         mesh = autopar.make_mesh(axes)
         sharded = autopar.auto_parallel(step, mesh=mesh, microbatches=m, pipeline=s,
-                                        donate_argnums=0, hardware="h100")
+                                        pipeline_repeats=rounds, donate_argnums=0,
+                                        hardware="h100")
         plan = sharded.plan(state, data)
-        compiled = sharded.lower(state, data).compile()
-        found = collectives(compiled.as_text())
-        permutes = [c for c in found if c.kind == "collective-permute"]
         rows.append({
             "program": name, "mesh": "x".join(map(str, axes.values())), "microbatches": m,
-            "stages": s, "bubble": (s - 1) / (m + s - 1), "shares": plan.microbatch_groups,
+            "stages": s, "rounds": rounds, "bubble": (s - 1) / (rounds * m + s - 1),
+            "shares": plan.microbatch_groups,
             "predicted_collective_bytes": sum(v for k, v in plan.cost.items()
                                               if k.endswith("_bytes")
                                               and k != "peak_memory_bytes"),
-            "compiled_collective_bytes": sum(c.result_bytes * c.executions for c in found),
-            "in_loops_bytes": sum(c.result_bytes * c.executions for c in found
-                                  if c.executions > 1),
-            "permutes_in_loops": sum(c.executions for c in permutes if c.executions > 1),
-            "permute_bytes": sum(c.result_bytes * c.executions for c in permutes),
             "estimated_memory_bytes": plan.cost["peak_memory_bytes"],
-            "compiled_memory_bytes": compiled_memory_bytes(compiled),
             "estimated_ms": plan.cost["total_s"] * 1e3,
-            "judged_ms": autopar.evaluate(compiled, mesh, "h100").step_s * 1e3})
+            **_compiled(sharded.lower(state, data).compile(), mesh)})
         r = rows[-1]
         log(f"{name}: collectives {r['compiled_collective_bytes'] / MiB:.2f} MiB compiled, "
             f"{r['predicted_collective_bytes'] / MiB:.2f} predicted")
-    return {"pipeline": rows, "batch": batch, "config": {**CONFIG, **(config or {})}}
+        if experts and s > 1 and rounds == 1:
+            expert = pipeline_expert.gpipe_jit(config, s, m, mesh, state, optax.adamw(1e-3))
+            rows.append({"program": f"{name}, hand-written GPipe", "mesh": rows[-1]["mesh"],
+                         "microbatches": m, "stages": s, "rounds": 1,
+                         "bubble": rows[-1]["bubble"], "shares": 1,
+                         **_compiled(expert.lower(state, data).compile(), mesh)})
+            log(f"{name}, hand-written: collectives "
+                f"{rows[-1]['compiled_collective_bytes'] / MiB:.2f} MiB compiled")
+    return {"pipeline": rows, "batch": batch, "config": config}
+
+
+def _compiled(compiled: Any, mesh: Any) -> dict[str, Any]:
+    """What the compiled program moves and keeps, and its step judged on h100."""
+    found = collectives(compiled.as_text())
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    judged = autopar.evaluate(compiled, mesh, "h100")
+    return {"compiled_collective_bytes": sum(c.result_bytes * c.executions for c in found),
+            "in_loops_bytes": sum(c.result_bytes * c.executions for c in found
+                                  if c.executions > 1),
+            "in_loops_kinds": sorted({c.kind for c in found if c.executions > 1}),
+            "permutes_in_loops": sum(c.executions for c in permutes if c.executions > 1),
+            "permute_bytes": sum(c.result_bytes * c.executions for c in permutes),
+            "compiled_memory_bytes": compiled_memory_bytes(compiled),
+            "judged_ms": judged.step_s * 1e3,
+            "judged_collective_ms": judged.communication_s * 1e3}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -75,23 +100,36 @@ def markdown(result: dict[str, Any]) -> str:
              f"{c['vocab']}, batch {result['batch']}), adamw, state donated, 8 simulated "
              "devices; every program planned for h100, compiled for this machine and judged on "
              "h100. Collectives: result bytes per device per step (inside loops: the part run "
-             "more than once); permutes: collective-permutes run inside loops (count) and "
-             "their bytes. Judged ms of looped programs count a loop body's flops once "
-             "(XLA's cost_analysis), so they are not comparable across rows.", "",
+             "more than once, and its kinds); permutes: collective-permutes run inside loops "
+             "(count) and their bytes; judged collective ms: the compiled program's "
+             "collectives on h100, every loop trip counted. Judged step ms of looped programs "
+             "count a loop body's flops once (XLA's cost_analysis), so they are not comparable "
+             "across rows.", "",
              "Shares: each microbatch computed as so many shares, one per device group along "
-             "the batch's other axes, the gradient reduced once after the loop (1: none).", "",
-             "| program | mesh | M | S | shares | bubble | collectives compiled MiB (inside "
-             "loops) | predicted MiB | permutes (MiB) | memory estimate MiB | compiled MiB | judged h100 "
-             "ms | estimated ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "the batch's other axes, the gradient reduced once after the loop (1: none). "
+             "R: rounds each microbatch makes through the stages (the circular schedule, "
+             "`pipeline_repeats`). \"hand-written GPipe\": the same S and M as a JAX user "
+             "writes it in plain jax.jit (benchmarks/pipeline_expert.py); it has no estimate.",
+             "",
+             "| program | mesh | M | S | R | shares | bubble | collectives compiled MiB (inside "
+             "loops: kinds) | predicted MiB | permutes (MiB) | judged collective ms | "
+             "memory estimate MiB | compiled MiB | judged h100 ms | estimated ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["pipeline"]:
+        def estimate(key: str, scale: float, digits: int) -> str:
+            return f"{r[key] / scale:.{digits}f}" if key in r else "-"
+        kinds = ", ".join(k.replace("collective-", "c-") for k in r.get("in_loops_kinds", []))
         lines.append(
             f"| {r['program']} | {r['mesh']} | {r['microbatches']} | {r['stages']} | "
-            f"{r['shares']} | "
-            f"{r['bubble']:.0%} | {r['compiled_collective_bytes'] / MiB:.2f} "
-            f"({r['in_loops_bytes'] / MiB:.2f}) | {r['predicted_collective_bytes'] / MiB:.2f} | "
+            f"{r.get('rounds', 1)} | {r['shares']} | {r['bubble']:.0%} | "
+            f"{r['compiled_collective_bytes'] / MiB:.2f} ({r['in_loops_bytes'] / MiB:.2f}"
+            f"{': ' + kinds if kinds else ''}) | "
+            f"{estimate('predicted_collective_bytes', MiB, 2)} | "
             f"{r['permutes_in_loops']} ({r['permute_bytes'] / MiB:.2f}) | "
-            f"{r['estimated_memory_bytes'] / MiB:.1f} | {r['compiled_memory_bytes'] / MiB:.1f} | "
-            f"{r['judged_ms']:.3f} | {r['estimated_ms']:.3f} |")
+            f"{r.get('judged_collective_ms', float('nan')):.3f} | "
+            f"{estimate('estimated_memory_bytes', MiB, 1)} | "
+            f"{r['compiled_memory_bytes'] / MiB:.1f} | {r['judged_ms']:.3f} | "
+            f"{estimate('estimated_ms', 1, 3)} |")
     return "\n".join(lines)
 
 
@@ -146,6 +184,7 @@ def choice(networks: tuple[float, ...] = NETWORKS, config: dict | None = None,
                 * 1e3}
         rows.append({"network_bytes_per_s": bandwidth, "planning_s": planning_s,
                      "stages": plan.pipeline_stages, "microbatches": plan.microbatches,
+                     "repeats": plan.pipeline_repeats,
                      "shares": plan.microbatch_groups,
                      "tried": plan.search_stats["schedules_tried"], **compiled})
         log(f"network {bandwidth:g} B/s: {plan.pipeline_stages} stages, "
@@ -158,6 +197,7 @@ def _schedule_name(r: dict[str, Any]) -> str:
         return "no pipeline" + (f", {r['microbatches']} microbatches" if r["microbatches"] > 1
                                 else "")
     return (f"{r['stages']} stages x {r['microbatches']} microbatches"
+            + (f" x {r['repeats']} rounds" if r.get("repeats", 1) > 1 else "")
             + (f", {r['shares']} shares" if r["shares"] > 1 else ""))
 
 
@@ -184,9 +224,12 @@ def choice_markdown(result: dict[str, Any]) -> str:
     for r in result["choice"]:
         def schedule(t: dict) -> str:
             name = f"{t['stages']}x{t['microbatches']}"
+            if t.get("repeats", 1) > 1:
+                name += f"x{t['repeats']} rounds"
             if "total_ms" not in t:
                 return f"{name}: left out"
-            kept = (t["stages"], t["microbatches"]) == (r["stages"], r["microbatches"])
+            kept = ((t["stages"], t["microbatches"], t.get("repeats", 1))
+                    == (r["stages"], r["microbatches"], r.get("repeats", 1)))
             return f"**{name}: {t['total_ms']:.2f}**" if kept else f"{name}: {t['total_ms']:.2f}"
         totals = {k: (sum(v["predicted"].values()) / MiB, sum(v["compiled"].values()) / MiB)
                   for k, v in (("chosen", r["chosen"]), ("flat", r["flat"]))}

@@ -97,13 +97,19 @@ def test_accumulation_suite_smoke():
 
 def test_pipeline_suite_smoke():
     from benchmarks import pipeline
-    cases = {"2 stages": ({"stage": 2, "data": 4}, 4, 2)}
-    result = pipeline.run(cases, batch=16, config=dict(d_model=32, layers=2, vocab=64),
+    cases = {"2 stages": ({"stage": 2, "data": 4}, 4, 2, 1),
+             "circular": ({"stage": 2, "data": 4}, 4, 2, 2)}
+    result = pipeline.run(cases, batch=16, config=dict(d_model=32, layers=4, vocab=64),
                           log=lambda line: None)
-    (row,) = result["pipeline"]
+    row, expert, circular = result["pipeline"]
     assert row["permutes_in_loops"] >= 2 * (4 + 2 - 1) and row["permute_bytes"] > 0
     assert row["bubble"] == 1 / 5 and row["compiled_memory_bytes"] > 0
-    assert "| 2 stages | 2x4 | 4 | 2 | 1 | 20% |" in pipeline.markdown(result)
+    assert expert["program"] == "2 stages, hand-written GPipe" and expert["permute_bytes"] > 0
+    assert circular["permutes_in_loops"] == 2 * (2 * 4 + 2 - 1) and circular["bubble"] == 1 / 9
+    table = pipeline.markdown(result)
+    assert "| 2 stages | 2x4 | 4 | 2 | 1 | 1 | 20% |" in table
+    assert "| 2 stages, hand-written GPipe | 2x4 | 4 | 2 | 1 | 1 | 20% |" in table
+    assert "| circular | 2x4 | 4 | 2 | 2 | 1 | 11% |" in table
 
 
 def test_pipeline_choice_suite_smoke():
@@ -115,3 +121,21 @@ def test_pipeline_choice_suite_smoke():
     assert row["chosen"]["memory_bytes"] > 0 and row["flat"]["memory_bytes"] > 0
     table = pipeline.choice_markdown(result)
     assert "| 1 | **1x1: " in table or ("| 1 | 1x1: " in table and "| 4 stages x" in table)
+
+
+def test_hand_written_gpipe_equals_one_device():
+    """The pipeline suite's baseline computes the model's own step."""
+    import jax
+    import models
+    import numpy as np
+    import optax
+    from helpers import copy_tree
+
+    import autopar
+    from benchmarks import pipeline_expert
+    config = dict(vocab=64, d_model=32, heads=4, layers=4, scan=True)
+    step, state, data = models.gpt_setup(batch=16, seq=16, **config)
+    mesh = autopar.make_mesh({"stage": 2, "data": 4})
+    expert = pipeline_expert.gpipe_jit(config, 2, 4, mesh, state, optax.adamw(1e-3))
+    (_, loss), (_, expected) = expert(copy_tree(state), data), jax.jit(step)(state, data)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
