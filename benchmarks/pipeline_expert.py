@@ -7,7 +7,7 @@ first dimension, so the reshape moves nothing), one stage body vmapped over the 
 (`jnp.roll`, one collective-permute), the first stage fed the next microbatch, the last
 stage's outputs collected; embedding and head on the full batch outside. Shardings: the state
 in (and out) with the stack's leaves `P('stage')` and the rest replicated, the batch over
-'data', the loop's state constrained to `P('stage', 'data')`; XLA propagates everything else,
+'data' (where the mesh has it), the loop's state constrained to `P('stage', 'data')`; XLA propagates everything else,
 the gradient reductions included (no shard_map: where they land is XLA's choice).
 
 Stages in the bubble compute on zeros or on stale activations and their outputs are dropped:
@@ -30,6 +30,7 @@ def gpipe_step(config: dict, stages: int, microbatches: int, mesh: Mesh,
     """The hand-written GPipe train step of models.GPT(**config, scan=True):
     step(state, batch) -> (state, loss), the same loss as the model's own step."""
     s, m, layers = stages, microbatches, config["layers"]
+    data = "data" if "data" in mesh.axis_names else None
     block = models.Block(config["d_model"], config["heads"])
     embed, norm = nn.Embed(config["vocab"], config["d_model"]), nn.LayerNorm()
 
@@ -53,11 +54,11 @@ def gpipe_step(config: dict, stages: int, microbatches: int, mesh: Mesh,
 
         def tick(state: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
             fed = jnp.where(first, micro[jnp.minimum(t, m - 1)][None], jnp.roll(state, 1, 0))
-            state = constrain(jax.vmap(stage)(weights, constrain(fed, "stage", "data")),
-                              "stage", "data")
+            state = constrain(jax.vmap(stage)(weights, constrain(fed, "stage", data)),
+                              "stage", data)
             return state, state[s - 1]
 
-        start = constrain(jnp.zeros((s, *micro.shape[1:]), x.dtype), "stage", "data")
+        start = constrain(jnp.zeros((s, *micro.shape[1:]), x.dtype), "stage", data)
         _, outs = jax.lax.scan(tick, start, jnp.arange(m + s - 1))
         y = jnp.swapaxes(outs[s - 1:], 0, 1).reshape(x.shape)
         y = norm.apply({"params": p["LayerNorm_0"]}, y)
@@ -82,7 +83,7 @@ def gpipe_jit(config: dict, stages: int, microbatches: int, mesh: Mesh, state: A
         return NamedSharding(mesh, P("stage") if stacked else P())
 
     state_shardings = jax.tree_util.tree_map_with_path(spec, state)
-    batch = NamedSharding(mesh, P("data"))
+    batch = NamedSharding(mesh, P("data" if "data" in mesh.axis_names else None))
     return jax.jit(gpipe_step(config, stages, microbatches, mesh, tx),
                    in_shardings=(state_shardings, batch),
                    out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)

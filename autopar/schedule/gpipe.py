@@ -14,7 +14,11 @@ rewrites the loss that `autopar.value_and_grad` differentiates:
   dimension, which XLA compiles to a collective-permute);
 - the last stage's outputs are gathered once after the loop, and `jax.value_and_grad` of the
   whole is GPipe's backward pass (the loop transposed, the shifts reversed).
-Ticks where a stage has no microbatch (the bubble, (S-1)/(M+S-1) of the stage's time) compute
+With `pipeline_repeats=R` the schedule is circular: the stack is cut into S R chunks, stage s
+holding chunks s, s+S, ..., and each microbatch goes round the stages R times (R M + S - 1
+ticks); the stages' values move on by one rotation (schedule/rotate.py), the last stage's to
+the first, which takes it M - S ticks later (M >= S).
+Ticks where a stage has no microbatch (the bubble, (S-1)/(R M+S-1) of the stage's time) compute
 on stand-in values whose results are dropped; their inputs and weights pass through
 `where(valid, x, stop_gradient(x))`, so whatever they compute (a NaN from zeros, say) never
 reaches a gradient.
@@ -209,8 +213,8 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         if r > 1:  # round the stages: the last stage's output reaches the first, which
             moved = [_per_stage(rotate(x), 0) for x in state]  # takes it `delay` ticks later
             back = [w[:, 0] for w in waiting] if delay else moved
-            waiting = [jnp.concatenate([w[:, 1:], m[:, None]], axis=1)
-                       for w, m in zip(waiting, moved)] if delay else waiting
+            waiting = [jnp.concatenate([w[:, 1:], v[:, None]], axis=1)
+                       for w, v in zip(waiting, moved)] if delay else waiting
             first_t = [jnp.where(fresh_t, f, b) for f, b in zip(first_t, back)]
         else:
             moved = [_shift(x) for x in state]
