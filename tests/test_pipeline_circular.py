@@ -1,10 +1,9 @@
 """The circular pipeline (pipeline=S, pipeline_repeats=R): each stage holds R chunks of the
 layer stack and every microbatch goes round the stages R times, equal to one device; inside the
 loop one rotation of the stages' activations each way per tick, priced as XLA compiles it."""
-import jax
 import pytest
 from helpers import check_against_single_device
-from test_pipeline import Stack, gpt_case, in_loops, mlp_case
+from test_pipeline import Stack, gpt_case, mlp_case
 from test_pipeline_choice import slow_devices
 
 import autopar
@@ -91,3 +90,14 @@ def test_auto_weighs_going_round():
     best = min(t["total_ms"] for t in tried if "total_ms" in t)
     assert abs(plan.cost["total_s"] * 1e3 - best) < 1e-6
     assert f"x {rounds[0]['repeats']} rounds: " in plan.summary()
+
+
+def test_circular_in_shares_equals_one_device():
+    """Each stage's microbatch split over 'data' as shares, going round twice."""
+    step, state, data = gpt_case(batch=64)
+    plan = check_against_single_device(step, state, data,
+                                       autopar.make_mesh({"stage": 2, "data": 4}),
+                                       donate_argnums=0, microbatches=4, pipeline=2,
+                                       pipeline_repeats=2)
+    assert plan.pipeline_repeats == 2 and plan.microbatch_groups == 4, (
+        plan.search_stats.get("reduced_per_microbatch"))

@@ -165,7 +165,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     transpose adds the shares once, after the loop: stage-local data parallelism with the
     gradient reduced once per step, not once per tick."""
     p = eqn.params
-    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    nc, ncarry = p["num_consts"], p["num_carry"]
     s, m, g, r = stages, microbatches, groups, repeats
     body = jaxpr_as_fun(micro.params["jaxpr"])
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
