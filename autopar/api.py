@@ -122,8 +122,8 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     (S-1)/(M+S-1) to (S-1)/(R M+S-1) of a stage's time, at R times the shifts.
     `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
     fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
-    each divisor), several microbatch counts and repeats, and keeps the schedule estimated fastest
-    that fits `memory_limit` (schedule/choice.py).
+    each divisor), several microbatch counts and repeats, and keeps the schedule estimated
+    fastest that fits `memory_limit` (schedule/choice.py).
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,

@@ -73,11 +73,7 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
             f"{microbatches!r} was given. Fix: pass microbatches=M, M >= 2 (the bubble is "
             f"(S-1)/(M+S-1) of each stage's time: M = {4 * pipeline} leaves "
             f"{(pipeline - 1) / (5 * pipeline - 1):.0%}).")
-    if repeats > 1 and microbatches < pipeline:
-        raise AutoparError(
-            f"pipeline_repeats={repeats} sends each microbatch back to the first of {pipeline} "
-            f"stages when it leaves the last, which needs at least as many microbatches as "
-            f"stages, and microbatches={microbatches}. Fix: microbatches={pipeline} or more.")
+    _check_rounds(pipeline, microbatches, repeats)
     sizes = (dict(mesh.shape) if hasattr(mesh, "shape") and hasattr(mesh, "axis_names")
              else dict(mesh) if isinstance(mesh, dict) else {})
     if sizes.get(STAGE_AXIS) != pipeline:
@@ -88,6 +84,14 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
             "first, as the slowest links.")
 
 
+def _check_rounds(stages: int, microbatches: int, repeats: int) -> None:
+    if repeats > 1 and microbatches < stages:
+        raise AutoparError(
+            f"pipeline_repeats={repeats} sends each microbatch back to the first of {stages} "
+            f"stages when it leaves the last, which needs at least as many microbatches as "
+            f"stages, and microbatches={microbatches}. Fix: microbatches={stages} or more.")
+
+
 def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, args: tuple,
                              argnums: int | Sequence[int], options: dict, stages: int,
                              microbatches: int, groups: int = 1, repeats: int = 1) -> Any:
@@ -95,6 +99,7 @@ def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, a
     `full`: the loss's jaxpr at the full batch; `analysis`: its separability (at
     `microbatches` x `groups` parts); `groups`: shares per microbatch (see `_pipeline`);
     `repeats`: the circular schedule's rounds through the stages."""
+    _check_rounds(stages, microbatches, repeats)  # pipeline="auto" with microbatches given
     stack = _find_stack(analysis, full, stages, repeats)
     flat = jax.tree_util.tree_leaves(args)
     diff = analysis.diff_leaves
