@@ -199,14 +199,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
     # each stage computes. Inside the loop each stage reads its own (no collective), and the
     # gradient of the first stage's inputs leaves the loop as one [T, S, ...] value.
-    # Stage s computes at tick t the (t-s)-th of the R*M passes: microbatch (t-s) mod M, in
-    # repeat (t-s) div M.
-    ticks = r * m + s - 1
-    passes = jnp.arange(ticks)[:, None] - stage_ids[None, :]
-    valid = (passes >= 0) & (passes < r * m)
-    index = jnp.clip(passes, 0, r * m - 1) % m
-    repeat = jnp.clip(passes, 0, r * m - 1) // m
-    fresh = jnp.arange(ticks) < m  # ticks where the first stage takes a new microbatch
+    valid, index, repeat, fresh = _passes(s, m, r)
     first = [_per_stage(jnp.where(_lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
              for x in inputs]
     streamed_xs = {i: _per_stage(v[index]) for i, v in streamed.items()}
@@ -243,6 +236,19 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
             for y, k in zip(outputs, carry_kinds)]
     unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
     return outs + unused
+
+
+def _passes(stages: int, microbatches: int, repeats: int) -> tuple[Any, Any, Any, Any]:
+    """Per tick and stage [T, S]: whether the stage computes a pass (not the bubble), the
+    pass's microbatch and its round; per tick [T]: whether the first stage takes a new
+    microbatch. Stage s computes at tick t the (t-s)-th of the R M passes: microbatch
+    (t-s) mod M, in round (t-s) div M."""
+    passes = (jnp.arange(repeats * microbatches + stages - 1)[:, None]
+              - jnp.arange(stages)[None, :])
+    held = jnp.clip(passes, 0, repeats * microbatches - 1)
+    fresh = passes[:, 0] < microbatches
+    return ((passes >= 0) & (passes < repeats * microbatches), held % microbatches,
+            held // microbatches, fresh)
 
 
 def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
