@@ -1,6 +1,9 @@
-"""GPipe as a JAX user writes it by hand, the baseline for autopar's pipelines.
+"""GPipe as a JAX user writes it by hand in plain `jax.jit`, the baseline for autopar's
+pipelines.
 
-The pattern of the JAX pipelining write-ups and MaxText's pipeline layer, in plain `jax.jit`:
+The loop of the JAX pipelining write-ups and MaxText's pipeline layer, without their
+shard_map: MaxText and praxis move the gradient reductions out of the loop by hand (shard_map,
+`pcast`), which this baseline does not, so it is the plain-jit user's pipeline, not theirs.
 the nn.scan stack's stacked weights [L, ...] reshaped [S, L/S, ...] (split over 'stage' on the
 first dimension, so the reshape moves nothing), one stage body vmapped over the stages, a
 `lax.scan` of M+S-1 ticks whose state [S, microbatch, ...] is rolled one stage on per tick

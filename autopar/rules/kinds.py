@@ -44,8 +44,8 @@ RANDOM_ELEMENTWISE = frozenset({"random_seed", "random_fold_in", "random_clone",
 
 # The circular pipeline's roll along the stages (autopar.schedule.rotate), by name.
 ROTATE = "autopar_rotate"
-# Layout operators that are one HLO instruction, cheap to XLA's fusion like CHEAP_ELEMENTWISE
-# (a rotation: two slices and a concatenation, one collective-permute where split).
+# Layout operators that are one HLO instruction, cheap to XLA's fusion like CHEAP_ELEMENTWISE;
+# a rotation lowers to three (two slices and a concatenation), as cheap, and is listed here.
 LAYOUT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
                     "slice", "pad", "concatenate", "iota", "rev", "dynamic_slice", ROTATE})
 # Layout primitives of jax that lower to several HLO instructions (or a bitcast); fused, but

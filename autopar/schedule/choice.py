@@ -13,7 +13,8 @@ What is weighed:
   (latencies, small products) grow with the tick count;
 - at that S and M, the circular schedule with R = 2, 4, ... rounds (the repeats asked, where
   more than 1), while R S divides the stack and the estimate falls: the bubble shrinks to
-  (S-1)/(R M+S-1) while the shifts between stages grow R times.
+  (S-1)/(R M+S-1) while the shifts between stages grow R times and the layers move into the
+  circular placement every step.
 The stack's layers are split evenly, L/S consecutive layers per stage: the stack repeats one
 layer, so every stage does the same work and an even split is the balanced one.
 
