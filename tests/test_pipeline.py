@@ -135,14 +135,6 @@ def test_what_cannot_be_pipelined_is_refused():
                               pipeline=2)
     with pytest.raises(autopar.AutoparError, match="3 stages do not divide 4 layers"):
         autopar.plan(step, state, data, mesh={"stage": 3}, microbatches=4, pipeline=3)
-    # a Python loop of blocks is no stack (yet): the error says what to write
-    _, state, data = models.gpt_setup(batch=16, seq=16, vocab=64, d_model=32, heads=4,
-                                      layers=2)
-    loop = models.linen_step(models.GPT(vocab=64, d_model=32, heads=4, layers=2),
-                             models.token_loss, optax.adamw(1e-3), autopar.value_and_grad)
-    with pytest.raises(autopar.AutoparError, match="nn.scan"):
-        autopar.plan(loop, state, data, mesh={"stage": 2, "data": 4}, microbatches=4,
-                     pipeline=2)
 
 
 class BatchStatistics(nn.Module):

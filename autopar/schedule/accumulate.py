@@ -147,12 +147,13 @@ class _Accumulation:
                 "step calls autopar.value_and_grad twice. Fix: add the losses into one "
                 "function and take one value_and_grad of it.")
         full, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
-        analysis = Separability(full, self._probe(), self.microbatches * self.groups,
-                                diff_leaves(args, argnums))
+        probe, parts, diff = self._probe(), self.microbatches * self.groups, diff_leaves(args,
+                                                                                          argnums)
         if self.stages > 1:
-            return pipelined_value_and_grad(analysis, full, jax.tree_util.tree_structure(
-                out_shape), args, argnums, options, self.stages, self.microbatches, self.groups,
-                self.repeats)
+            return pipelined_value_and_grad(
+                full, probe, parts, diff, jax.tree_util.tree_structure(out_shape), args,
+                argnums, options, self.stages, self.microbatches, self.groups, self.repeats)
+        analysis = Separability(full, probe, parts, diff)
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
         return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
 

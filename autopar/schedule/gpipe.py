@@ -39,6 +39,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
+from autopar.schedule.blocks import chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
 from autopar.schedule.separable import Separability, eqn_source
@@ -92,15 +93,17 @@ def _check_rounds(stages: int, microbatches: int, repeats: int) -> None:
             f"stages, and microbatches={microbatches}. Fix: microbatches={stages} or more.")
 
 
-def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, args: tuple,
-                             argnums: int | Sequence[int], options: dict, stages: int,
-                             microbatches: int, groups: int = 1, repeats: int = 1) -> Any:
+def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int], out_tree: Any,
+                             args: tuple, argnums: int | Sequence[int], options: dict,
+                             stages: int, microbatches: int, groups: int = 1,
+                             repeats: int = 1) -> Any:
     """The loss's value and gradient, its layer stack pipelined (see the module's docstring).
-    `full`: the loss's jaxpr at the full batch; `analysis`: its separability (at
-    `microbatches` x `groups` parts); `groups`: shares per microbatch (see `_pipeline`);
-    `repeats`: the circular schedule's rounds through the stages."""
+    `full`, `probe`: the loss's jaxprs at the full batch and at one of its `parts`
+    (`microbatches` x `groups`); `diff`: the differentiated leaves; `groups`: shares per
+    microbatch (see `_pipeline`); `repeats`: the circular schedule's rounds through the
+    stages."""
     _check_rounds(stages, microbatches, repeats)  # pipeline="auto" with microbatches given
-    stack = _find_stack(analysis, full, stages, repeats)
+    analysis, full, stack = _stack_of(full, probe, parts, diff, stages, repeats)
     flat = jax.tree_util.tree_leaves(args)
     diff = analysis.diff_leaves
 
@@ -119,6 +122,24 @@ def pipelined_value_and_grad(analysis: Separability, full: Any, out_tree: Any, a
     (_, outs), grads = jax.value_and_grad(loss, argnums=tuple(range(len(diff))), has_aux=True,
                                           **options)(*[flat[k] for k in diff])
     return jax.tree_util.tree_unflatten(out_tree, outs), regroup(grads, args, argnums)
+
+
+def _stack_of(full: Any, probe: Any, parts: int, diff: list[int], stages: int,
+              repeats: int) -> tuple[Separability, Any, Any]:
+    """(the loss's separability, its jaxpr, its layer stack): a loop over layers where the loss
+    has one that can be pipelined, else its run of repeated layers (a Python loop of blocks)
+    re-traced as one loop (blocks.py)."""
+    analysis = Separability(full, probe, parts, diff)
+    try:
+        return analysis, full, _find_stack(analysis, full, stages, repeats)
+    except AutoparError:
+        found = find_blocks(full.jaxpr)
+        at_microbatch = found and chain(probe.jaxpr, found.start, found.period, found.count)
+        if not at_microbatch:
+            raise
+    full, probe = rolled(full, found), rolled(probe, at_microbatch)
+    analysis = Separability(full, probe, parts, diff)
+    return analysis, full, _find_stack(analysis, full, stages, repeats)
 
 
 def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1) -> Any:
@@ -152,8 +173,9 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
             f"pipeline={stages} runs the loss's stack of layers as {stages} stages, and the "
             "loss has no stack autopar can pipeline" + (f" ({'; '.join(why)})" if why else
                                                           " (no loop over layers)") +
-            ". Fix: write the repeated layers as one nn.scan (or lax.scan over stacked "
-            f"weights) whose length {chunks} divides, or train without pipeline=.")
+            f". Fix: a stack of layers whose count {chunks} divides, each layer reading the "
+            "previous one's output and its own weights: a Python loop of blocks, an nn.scan "
+            "(or lax.scan over stacked weights); or train without pipeline=.")
     return max(found, key=lambda f: f[0])[1]
 
 
