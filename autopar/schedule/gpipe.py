@@ -20,8 +20,8 @@ ticks); the stages' values move on by one rotation (schedule/rotate.py), the las
 the first, which takes it M - S ticks later (M >= S).
 Ticks where a stage has no microbatch (the bubble, (S-1)/(R M+S-1) of the stage's time) compute
 on stand-in values whose results are dropped; their inputs and weights pass through
-`where(valid, x, stop_gradient(x))`, so whatever they compute (a NaN from zeros, say) never
-reaches a gradient.
+`bubble_cut`, which zeroes their gradients there, so whatever they compute (a NaN from
+zeros, say) never reaches a gradient.
 
 The stack must keep examples apart (separable.py checks every operation of it), carry only
 per-example values, and leave its per-layer outputs unused; the rest of the loss must be a sum
@@ -282,12 +282,11 @@ def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
     chunk of the pass's repeat."""
     def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any,
               repeat: Any) -> list:
-        def guard(x: Any) -> Any:  # the bubble's values reach no gradient
-            return jnp.where(valid, x, jax.lax.stop_gradient(x))
         if repeats > 1:
             layers_s = [jax.lax.dynamic_index_in_dim(x, repeat, 0, keepdims=False)
                         for x in layers_s]
-        layers_s, carry_s = [guard(x) for x in layers_s], [guard(c) for c in carry_s]
+        layers_s = [bubble_cut(x, valid) for x in layers_s]
+        carry_s = [bubble_cut(c, valid) for c in carry_s]
         consts_s = [jnp.moveaxis(streamed_s[i], 0, kind.batch) if i in streamed_s
                     else fixed[i] for i, kind in enumerate(const_kinds)]
 
@@ -297,6 +296,28 @@ def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
             return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
         return jax.lax.scan(layer, carry_s, layers_s)[0]
     return stage
+
+
+@jax.custom_vjp
+def bubble_cut(x: Any, valid: Any) -> Any:
+    """`x` itself, its gradient zero where `valid` is False (a tick of the bubble), whatever
+    it is there (a NaN, say). Written as `where(valid, x, stop_gradient(x))`, the forward pass
+    makes a new value every tick, and the backward pass keeps each tick's copy of the
+    stage's layers (a 4-stage GPT at d_model 512 held 19 copies, 441 MB a device at 16
+    microbatches against 332 at 8); returned as it came in, the layers stay one loop
+    constant and the loop keeps only `valid` per tick."""
+    return x
+
+
+def _bubble_cut_forward(x: Any, valid: Any) -> tuple[Any, Any]:
+    return x, valid
+
+
+def _bubble_cut_backward(valid: Any, grad: Any) -> tuple[Any, None]:
+    return jnp.where(valid, grad, jnp.zeros_like(grad)), None
+
+
+bubble_cut.defvjp(_bubble_cut_forward, _bubble_cut_backward)
 
 
 def _stage_layers(x: Any, stages: int, repeats: int) -> Any:
