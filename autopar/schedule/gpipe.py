@@ -295,6 +295,8 @@ def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
             out = body(*consts_s, *c, *x)[:ncarry]
             return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
         return jax.lax.scan(layer, carry_s, layers_s)[0]
+    if repeats > 1:
+        return jax.checkpoint(stage, policy=jax.checkpoint_policies.dots_saveable)
     return stage
 
 
