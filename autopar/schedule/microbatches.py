@@ -109,10 +109,15 @@ def _share_count(call: Call, batch_argnums: int | Sequence[int],
     """G: the device groups `p` splits its batch over, else those of the step planned in one
     batch without a memory limit (reducing per microbatch can make a plan keep the batch
     whole, which the shares would not have to); 1 where neither splits it. `staged`: the
-    'stage' axis does not count."""
+    'stage' axis does not count, and where one other axis is left the shares are over it
+    without planning the whole step: that plan could only split the batch over it or not,
+    and the shares' plan is kept only where it is estimated no slower anyway."""
     groups = batch_groups(p, positions, staged)
     if groups > 1:
         return groups
+    others = [n for n, k in dict(p.mesh).items() if n != STAGE_AXIS and k > 1]
+    if staged and len(others) == 1:
+        return dict(p.mesh)[others[0]]
     try:
         _, whole = traced(step_of(call, 1, batch_argnums), 1, 1).plan(shape, None)
     except AutoparError:
