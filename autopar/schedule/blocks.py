@@ -158,7 +158,7 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
             return v.val if isinstance(v, Literal) else env[v]
 
         for eqn in eqns[:blocks.start]:
-            env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+            env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
         shared = [read(v) for v in blocks.shared]
         stacked = [jnp.stack([read(v) for v in vs]) for vs in blocks.layers]
 
@@ -172,7 +172,7 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
                     kind, *at = blocks.reads[(o, i)]
                     ins.append(at[0] if kind == "literal" else values[tuple(at)]
                                if kind == "inner" else given[kind][at[0]])
-                values.update(((o, n), x) for n, x in enumerate(_bind(eqn, ins)))
+                values.update(((o, n), x) for n, x in enumerate(bind_equation(eqn, ins)))
             return [values[c] for c in blocks.carries], None
 
         final, _ = jax.lax.scan(layer, [read(v) for v in blocks.inits], stacked,
@@ -181,7 +181,7 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
         for (o, n), x in zip(blocks.carries, final):
             env[eqns[last + o].outvars[n]] = x
         for eqn in eqns[blocks.end:]:
-            env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+            env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
         return [read(v) for v in jaxpr.outvars]
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
@@ -190,7 +190,8 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
     return ClosedJaxpr(out.jaxpr, out.consts)
 
 
-def _bind(eqn: Any, values: list) -> list:
+def bind_equation(eqn: Any, values: list) -> list:
+    """`eqn`'s primitive bound on `values` in its context and source location: its results."""
     with eqn.ctx.manager, source_info_util.user_context(eqn.source_info.traceback):
         out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]

@@ -34,12 +34,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend import source_info_util
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.schedule.blocks import chain, find_blocks, rolled
+from autopar.schedule.blocks import bind_equation, chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
 from autopar.schedule.separable import Separability, eqn_source
@@ -359,12 +358,7 @@ def _evaluate(jaxpr: Any, consts: list, args: list, stack: Any, run_stack: Calla
 
     for eqn in jaxpr.eqns:
         values = [read(v) for v in eqn.invars]
-        if eqn is stack:
-            outs = run_stack(values)
-        else:
-            with eqn.ctx.manager, source_info_util.user_context(eqn.source_info.traceback):
-                out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-            outs = out if eqn.primitive.multiple_results else [out]
+        outs = run_stack(values) if eqn is stack else bind_equation(eqn, values)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
