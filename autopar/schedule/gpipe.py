@@ -4,8 +4,9 @@ schedule, in the one program autopar plans.
 `auto_parallel(..., pipeline=S, microbatches=M)` on a mesh with a `stage` axis of size S
 rewrites the loss that `autopar.value_and_grad` differentiates:
 - the stack is the loss's loop over layers (an `nn.scan`, a `lax.scan` over stacked weights,
-  or a Python loop of blocks rolled into one, blocks.py) whose length S divides: its per-layer inputs [L, ...] are laid out [S, L/S, ...], split over
-  the `stage` axis, so each stage's devices hold L/S consecutive layers;
+  or a Python loop of blocks rolled into one, blocks.py) whose length S divides: its
+  per-layer inputs [L, ...] are laid out [S, L/S, ...], split over the `stage` axis, so each
+  stage's devices hold L/S consecutive layers;
 - what comes before the stack (the embedding) and after it (the head, the loss) runs once, on
   the full batch, where the `stage` axis is free to split the batch as a data axis;
 - the stack's input is cut into M microbatches (examples j, j+M, ...), and a loop of M+S-1
