@@ -23,8 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Literal
+
+from autopar.schedule.separable import bind_equation
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
@@ -188,13 +189,6 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
              for v in jaxpr.invars]
     out = jax.make_jaxpr(run)(*avals)
     return ClosedJaxpr(out.jaxpr, out.consts)
-
-
-def bind_equation(eqn: Any, values: list) -> list:
-    """`eqn`'s primitive bound on `values` in its context and source location: its results."""
-    with eqn.ctx.manager, source_info_util.user_context(eqn.source_info.traceback):
-        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _signatures(eqns: list) -> np.ndarray:

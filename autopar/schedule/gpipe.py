@@ -39,10 +39,10 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.schedule.blocks import bind_equation, chain, find_blocks, rolled
+from autopar.schedule.blocks import chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
-from autopar.schedule.separable import Separability, eqn_source
+from autopar.schedule.separable import Separability, bind_equation, eqn_source
 from autopar.trace.shard import shard
 
 STAGE_AXIS = "stage"

@@ -294,6 +294,14 @@ def eqn_source(eqn: Any) -> str:
     return source_info_util.summarize(eqn.source_info)
 
 
+def bind_equation(eqn: Any, values: list) -> list:
+    """`eqn`'s primitive bound on `values` in its context: its results. The user's line stays
+    the equation's source (plans and errors name it)."""
+    with eqn.ctx.manager, source_info_util.user_context(eqn.source_info.traceback):
+        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 # -- evaluation -------------------------------------------------------------------------------
 def hoisted_values(analysis: Separability, full: Any, leaves: Sequence[Any]
                    ) -> tuple[dict[int, list[Any]], list[tuple[Any, int]]]:
@@ -351,10 +359,7 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
         else:
             if action[:1] == ("affine",):
                 values = [v / m if i in action[1] else v for i, v in enumerate(values)]
-            # the user's line stays the equation's source (plans and errors name it)
-            with em.ctx.manager, source_info_util.user_context(em.source_info.traceback):
-                out = em.primitive.bind(*values, **em.primitive.get_bind_params(em.params))
-            outs = out if em.primitive.multiple_results else [out]
+            outs = bind_equation(em, values)
         if record is not None and id(ef) in wanted:
             record[id(ef)] = list(outs)
         env.update(zip(em.outvars, outs))
