@@ -17,6 +17,8 @@ Kinds (`KINDS`):
 
 Optimizer state follows its parameter (the rules match mu/nu by the parameter's path); a rule
 that does not divide its dimension leaves that tensor replicated, as `jax.jit` would refuse it.
+A scanned stack's leaves have one more, leading, dimension than their rule: the layers, kept
+whole (MaxText's default rule for its `layers` logical axis).
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ def rule_spec(path: str, shape: tuple[int, ...], rules: list, axes: Axes,
     """The first rule matching `path`, on `axes`; replicated where none matches or where the
     rule does not divide the tensor."""
     for pattern, roles in rules:
+        if re.search(pattern, path) and len(shape) == len(roles) + 1:
+            roles = (None, *roles)  # a scanned stack's layers
         if re.search(pattern, path) and len(roles) == len(shape):
             dims = tuple(axes if role == M else () for role in roles)
             if all(not d or _divides(n, d, sizes) for n, d in zip(shape, dims)):

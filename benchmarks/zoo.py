@@ -29,6 +29,11 @@ REALISTIC: dict[str, Case] = {
                                     layers=4),
         "transformer", True, "GPT, d_model 1024, 16 heads, 4 layers, seq 512, batch 32, vocab "
         "32,768 (84M parameters)"),
+    "gpt-1024-scan": Case(
+        lambda: models.gpt_abstract(batch=32, seq=512, vocab=32768, d_model=1024, heads=16,
+                                    layers=4, scan=True),
+        "transformer", True, "gpt-1024 with its blocks as one nn.scan over stacked "
+        "parameters (a loop in the compiled program, as MaxText's scan_layers)"),
     "moe-8x1024": Case(
         lambda: architectures.moe_abstract(batch=16, seq=256, features=1024, d_model=1024,
                                            experts=8, hidden=4096, layers=2, out=1024),
