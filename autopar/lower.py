@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.cost.model import partial_split
+from autopar.lower_loop import pinnable_loop, run_loop
 from autopar.plan import Decisions
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
@@ -95,7 +96,14 @@ class _Lowering:
 
     def execute(self, i: int, read: Callable[[int], Any]) -> list[Any]:
         """Run program step i on the values `read` gives; results constrained as planned."""
-        step, produced = self.graph.program[i], self.produced
+        return self.run_step(self.graph.program[i], read, self.explicit.get(i))
+
+    def run_step(self, step: Step, read: Callable[[int], Any], explicit: tuple | None = None,
+                 in_loop: bool = False) -> list[Any]:
+        """Run `step`, of the program or (`in_loop`) of a loop's body, on the values `read`
+        gives. Inside a loop every result is constrained: the loop's values are XLA's to
+        place wherever nothing pins them, and it placed them apart from the plan."""
+        produced = self.produced
         values, read_as = [], []
         for t, need in zip(step.inputs, step.requires):
             value, spec = read(t), produced.get(t)
@@ -114,14 +122,15 @@ class _Lowering:
             eqn = step.eqn
             params = eqn.primitive.get_bind_params(eqn.params)
             with eqn.ctx.manager:
-                if i in self.explicit:
-                    out = bind_explicit(self.mesh, eqn.primitive, params, values,
-                                         *self.explicit[i])
+                if explicit is not None:
+                    out = bind_explicit(self.mesh, eqn.primitive, params, values, *explicit)
+                elif self.decisions.pinned_inside and pinnable_loop(self.graph, step):
+                    out = run_loop(self, step, values, params)
                 else:
                     out = eqn.primitive.bind(*values, **params)
             results = out if eqn.primitive.multiple_results else [out]
         return [self.constrain(v, produced[t])
-                if produced.get(t) and not self.carried(step, t, read_as) else v
+                if produced.get(t) and (in_loop or not self.carried(step, t, read_as)) else v
                 for t, v in zip(step.outputs, results)]
 
 

@@ -52,8 +52,9 @@ class Op:
 
     def operand_repeat(self, i: int) -> int:
         """How often operand i is read per step: a loop carry's next value (operand 1 of
-        scan_carry, from the body) once per iteration, anything else as often as the op runs."""
-        if self.primitive == "scan_carry" and i == 1:
+        scan_carry) and a stacked result (scan_stack's operand), both from the body, once per
+        iteration; anything else as often as the op runs."""
+        if (self.primitive == "scan_carry" and i == 1) or self.primitive == "scan_stack":
             return self.repeat * self.params.get("length", 1)
         return self.repeat
 
@@ -98,6 +99,9 @@ class OpGraph:
     # the platform whose XLA compiles the step ('cpu', 'gpu', ...; '' where not known): its
     # compiler's fusion decides which values cost memory traffic (autopar.cost.facts)
     compiler: str = ""
+    # a loop's first result -> (its body's steps, the ids its body reads its operands as, the
+    # ids of its body's results): the lowering runs a body step by step, as planned
+    loop_bodies: dict[int, tuple] = field(hash=False, compare=False, default_factory=dict)
 
     def __hash__(self) -> int:
         return self._hash

@@ -91,6 +91,7 @@ class _Builder:
     const_values: dict[int, Any] = field(default_factory=dict)
     recomputations: int = 0  # differentiated remat2 bodies seen (see Step.remat)
     loop_ops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # see OpGraph
+    loop_bodies: dict[int, tuple] = field(default_factory=dict)  # see OpGraph
 
     def tensor(self, aval: Any, path: str | None = None, const: bool = False) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
@@ -119,11 +120,13 @@ class _Builder:
 
     # -- the walk ------------------------------------------------------------------------------
     def walk(self, jaxpr: Any, consts: Sequence[int], args: Sequence[int], repeat: int,
-             execute: bool, names: Any = None, remat: tuple[int, ...] = ()) -> list[int]:
+             sink: list[Step] | None, names: Any = None, remat: tuple[int, ...] = ()
+             ) -> list[int]:
         """Add jaxpr's equations; returns the tensor ids of its outputs.
 
         `names` is the name stack of the enclosing call: an inlined equation's own name stack
         is relative to it. `remat`: the recomputations (see Step.remat) the jaxpr is inside.
+        `sink`: where its execution steps go (the program, a loop body's steps; None: nowhere).
         """
         env: dict[Any, int] = {}
         for var, tid in zip(jaxpr.constvars, consts):
@@ -154,14 +157,14 @@ class _Builder:
                     # values it needs, which the lowering keeps apart from the forward pass.
                     inside = (*remat, self.recomputations)
                     self.recomputations += 1
-                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, execute, eqn_names,
+                outs = self.walk(inner_jaxpr, const_ids, inputs, repeat, sink, eqn_names,
                                  inside)
             elif name == "name":
                 # checkpoint_name: it marks a value for a checkpoint policy, which JAX's partial
                 # evaluation has applied by now (the saved values are the remat's operands).
                 outs = inputs
             elif name == "scan":
-                outs = self.scan(eqn, inputs, source, repeat, execute, eqn_names)
+                outs = self.scan(eqn, inputs, source, repeat, sink, eqn_names)
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
                 const = all(self.is_const(t) for t in inputs) and not eqn.effects
@@ -173,8 +176,8 @@ class _Builder:
                                      eqn_names)
                     requires = tuple(None if self.is_const(t) else (op, i)
                                      for i, t in enumerate(inputs))
-                if execute:
-                    self.program.append(Step(eqn, tuple(inputs), tuple(outs), requires, remat))
+                if sink is not None:
+                    sink.append(Step(eqn, tuple(inputs), tuple(outs), requires, remat))
             for var, tid in zip(eqn.outvars, outs):
                 env[var] = tid
         return [read(v) for v in jaxpr.outvars]
@@ -185,8 +188,9 @@ class _Builder:
             self.tensors[t] = dataclasses.replace(old, const=True)
 
     def scan(self, eqn: Any, inputs: list[int], source: str, repeat: int,
-             execute: bool, names: Any) -> list[int]:
-        """Plan a scan's body once (costs x length); execute the scan whole."""
+             sink: list[Step] | None, names: Any) -> list[int]:
+        """Plan a scan's body once (costs x length); execute the scan whole, its body's own
+        steps kept apart (OpGraph.loop_bodies)."""
         p = eqn.params
         body, body_consts = _open(p["jaxpr"])
         n_const, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
@@ -217,8 +221,10 @@ class _Builder:
                                  repeat)
                 requires[n_const + n_carry + i] = (op, 0)
         first_op = len(self.ops)
-        body_outs = self.walk(body, body_const_ids, [*consts, *carry_in, *x_in],
-                              repeat * length, execute=False, names=names)
+        body_in = [*consts, *carry_in, *x_in]
+        body_steps: list[Step] | None = None if sink is None else []
+        body_outs = self.walk(body, body_const_ids, body_in, repeat * length, body_steps,
+                              names=names)
         body_ops = tuple(range(first_op, len(self.ops)))
         for op, out in zip(carry_ops, body_outs[:n_carry]):
             self.ops[op]["inputs"] = self.ops[op]["inputs"] + (out,)
@@ -227,10 +233,12 @@ class _Builder:
             if self.is_const(body_out):
                 self._mark_const([out])
             else:
-                self.add_op(kind, (body_out,), (out,), {}, source, repeat)
-        if execute:
-            self.loop_ops[len(self.program)] = body_ops
-            self.program.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires)))
+                self.add_op(kind, (body_out,), (out,), {"length": length}, source, repeat)
+        if sink is not None:
+            if sink is self.program:
+                self.loop_ops[len(self.program)] = body_ops
+            self.loop_bodies[outs[0]] = (tuple(body_steps), tuple(body_in), tuple(body_outs))
+            sink.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires)))
         return outs
 
 
@@ -254,7 +262,7 @@ def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset
     in_paths = [p for name, a in zip(names, args) for p in leaf_paths(a, name)]
     inputs = [b.tensor(v.aval, path) for v, path in zip(closed.jaxpr.invars, in_paths)]
     consts = [b.constant(c, jax.typeof(c)) for c in closed.consts]
-    outs = b.walk(closed.jaxpr, consts, inputs, repeat=1, execute=True)
+    outs = b.walk(closed.jaxpr, consts, inputs, repeat=1, sink=b.program)
 
     out_paths = leaf_paths(out_shape, "out")
     # An output that is an input passed through, a constant, or listed twice gets its own tensor
@@ -280,7 +288,7 @@ def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset
     ops = tuple(Op(i, **o) for i, o in enumerate(b.ops))
     graph = OpGraph(tuple(b.tensors), ops, tuple(b.program), tuple(inputs), tuple(final_outs),
                     b.const_values, state_pairs(args, out_shape, len(inputs)),
-                    frozenset(donated), dict(b.loop_ops), compiler)
+                    frozenset(donated), dict(b.loop_ops), compiler, dict(b.loop_bodies))
     return graph, jax.tree_util.tree_structure(tuple(args)), out_shape
 
 
