@@ -67,17 +67,20 @@ class _Lowering:
         self.backward = (backward_steps(graph) if self.recompute or self.outside else set())
         # Steps that are one planning op whose partial sums need explicit collectives: run
         # under shard_map with psum / psum_scatter (see `explicit_collectives`).
-        op_of = {op.outputs[0]: op for op in graph.ops if len(op.outputs) == 1}
-        self.explicit = {}
-        for i, step in enumerate(graph.program):
-            op = op_of.get(step.outputs[0]) if _one_result(step) else None
-            if op is not None and op.inputs == step.inputs and (
-                    how := explicit_collectives(op.primitive, decisions.ops[op.id],
-                                                op.params)) is not None:
-                self.explicit[i] = how
+        self.op_of = {op.outputs[0]: op for op in graph.ops if len(op.outputs) == 1}
+        self.explicit = {i: how for i, step in enumerate(graph.program)
+                         if (how := self.explicit_of(step)) is not None}
         self.resharded = {t for step in graph.program for t, need in zip(step.inputs, step.requires)
                           if need is not None
                           and decisions.ops[need[0]].in_specs[need[1]] != self.produced.get(t)}
+
+    def explicit_of(self, step: Step) -> tuple | None:
+        """How `step` runs with explicit collectives, where it is one planning op whose
+        partial sums need them (see `explicit_collectives`); None otherwise."""
+        op = self.op_of.get(step.outputs[0]) if _one_result(step) else None
+        if op is None or op.inputs != step.inputs:
+            return None
+        return explicit_collectives(op.primitive, self.decisions.ops[op.id], op.params)
 
     def carried(self, step: Step, t: int, read_as: list[tuple[tuple[int, ...], Spec | None]]
                 ) -> bool:

@@ -46,6 +46,7 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
     consts, init, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     carry_ids, x_ids = ids[nc:nc + ncarry], ids[nc + ncarry:]
     stacked = step.outputs[ncarry:]
+    explicit = [lowering.explicit_of(s) for s in steps]  # reduce-scatters written out
     # how the stacking reads each body result (the body may make it otherwise)
     read_as = {op.outputs[0]: lowering.decisions.ops[op.id].in_specs[0] for op in graph.ops
                if op.primitive in LOOP_READERS and op.outputs[0] in stacked}
@@ -62,8 +63,8 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
 
         def read(t: int) -> Any:
             return env[t] if t in env else graph.const_values[t]
-        for s in steps:
-            env.update(zip(s.outputs, lowering.run_step(s, read, in_loop=True)))
+        for k, s in enumerate(steps):
+            env.update(zip(s.outputs, lowering.run_step(s, read, explicit[k], in_loop=True)))
         results = [read(t) for t in outs]
         carry = [pin(v, spec(t)) for v, t in zip(results[:ncarry], carry_ids)]
         buffers = [pin(jax.lax.dynamic_update_index_in_dim(b, pin(v, read_as.get(t)), at, 0),
