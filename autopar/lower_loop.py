@@ -6,8 +6,10 @@ a scanned GPT (8 layers, d_model 1024) planned for 4 nodes of 2 GPUs at 10 GB/s 
 XLA split the stacked residuals of the forward loop over the nodes and gathered them after it
 (1 to 2 GiB each): 16,146 MiB of collectives a step where the plan predicted 1,597, judged 1.36
 s against an estimate of 49 ms. Run here as a `while_loop` over the body's own steps, each
-constrained as planned (results too, see `_Lowering.run_step`), with the carries and the
-stacking buffers pinned to the plan's specs, the same plan compiled to 969 MiB, judged 60 ms.
+constrained as planned (results too, see `_Lowering.run_step`; reduce-scatters written out as
+in the program), with the carries and the stacking buffers pinned to the plan's specs, that
+step compiles to 929 MiB (1,697 predicted), judged 48 ms (docs/decisions.md, "Loops compiled
+as planned").
 
 A body holding a recomputation (jax.checkpoint inside the loop) is bound as a scan: its
 optimization barriers are the loop's own lowering, which this interpreter does not rebuild.
