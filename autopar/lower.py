@@ -9,8 +9,9 @@ of a 4-layer GPT's constraints (1,715 of 2,478); dropping them changed nothing X
 and cut its compile time. Left off at resharding points too, they let XLA move a MoE router's
 softmax onto the token-split layout of a consumer (12 more all-gathers). The interpreter binds
 each equation's primitive as `jax.core.eval_jaxpr` does, inserting the constraints between
-equations. A plan with `Decisions.pinned_inside` False is lowered with jax.jit's input and
-output shardings alone (fitting._propagated).
+equations. A scan runs as a while loop over its body's steps, every result inside it pinned
+(autopar/lower_loop.py). A plan with `Decisions.pinned_inside` False is lowered with jax.jit's
+input and output shardings alone (fitting._propagated).
 
 Recomputed steps (`Decisions.recompute`, forward equations of layers the plan rematerialises)
 run twice: in the forward pass as usual, and again when the backward pass first reads one of
