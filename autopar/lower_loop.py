@@ -12,7 +12,8 @@ step compiles to 929 MiB (1,697 predicted), judged 48 ms (docs/decisions.md, "Lo
 as planned").
 
 A body holding a recomputation (jax.checkpoint inside the loop) is bound as a scan: its
-optimization barriers are the loop's own lowering, which this interpreter does not rebuild.
+optimization barriers are the loop's own lowering, which this interpreter does not rebuild. So
+is a loop stacking PRNG keys (its buffers would start from zeros, which keys have not).
 """
 from __future__ import annotations
 
@@ -23,9 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.trace.ir import OpGraph, Step
-
-LOOP_READERS = ("scan_stack", "scan_carry_out")  # the planning ops reading a body's results
-
 
 def pinnable_loop(graph: OpGraph, step: Step) -> bool:
     """Whether `step` is a scan whose body the tracer recorded, free of recomputations, and
@@ -51,7 +49,7 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
     explicit = [lowering.explicit_of(s) for s in steps]  # reduce-scatters written out
     # how the stacking reads each body result (the body may make it otherwise)
     read_as = {op.outputs[0]: lowering.decisions.ops[op.id].in_specs[0] for op in graph.ops
-               if op.primitive in LOOP_READERS and op.outputs[0] in stacked}
+               if op.primitive == "scan_stack" and op.outputs[0] in stacked}
 
     def pin(v: Any, s: Any) -> Any:
         return v if s is None else lowering.constrain(v, s)
