@@ -14,11 +14,13 @@ from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import make_mesh
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.planning.problem import AutoparWarning
+from autopar.schedule.stored import Placed, unpack
 from autopar.trace.shard import shard
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "grad",
            "PROFILES", "Hardware", "measure_host", "calibrate", "load_hardware", "AutoparError", "MemoryLimitError",
            "Evaluation", "evaluate", "AutoparWarning", "make_mesh", "OpDecision", "Plan",
            "Redistribution", "TensorPlan", "load_plan", "save_checkpoint", "restore_checkpoint",
-           "checkpoint_plan", "process_rows", "global_batch", "is_main_process"]
+           "checkpoint_plan", "process_rows", "global_batch", "is_main_process", "Placed",
+           "unpack"]
 __version__ = "0.1.0"

@@ -26,10 +26,12 @@ from autopar.schedule.gpipe import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
-from autopar.planning.pipeline import Planning
+from autopar.planning.pipeline import Planning, traced_stored
 from autopar.planning.saved import decisions_from_plan
 from autopar.planning.solve import SEARCHES
 from autopar.rules.factors import Spec, to_partition_spec
+from autopar.schedule.storable import Storage
+from autopar.schedule.stored import placed_outputs, stored_inputs
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
@@ -40,7 +42,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
          static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
          donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
          batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1,
-         pipeline_repeats: int = 1) -> Plan:
+         pipeline_repeats: int = 1, keep_placement: bool = False) -> Plan:
     """Plan `fn(*args)` on `mesh` without running it.
 
     `args` may be arrays or `jax.ShapeDtypeStruct`s; `mesh` a jax Mesh, an AbstractMesh, a
@@ -55,7 +57,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     the leanest plan needs. `static_argnums` / `static_argnames`, `donate_argnums` /
     `donate_argnames`: as in `auto_parallel` (the memory estimate holds an undonated state
     twice, the old and the new). `microbatches`, `batch_argnums`, `pipeline`: as in
-    `auto_parallel`, and `pipeline_repeats`.
+    `auto_parallel`, and `pipeline_repeats`, `keep_placement`.
     """
     _check_search(search)
     check_annotations_type(annotations)
@@ -70,7 +72,8 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
                repeats: int = 1) -> Planning:
         return Planning.traced(step, call.abstract(), hw, search, annotations, call.donated,
-                               platform, microbatches, groups, stages, repeats)
+                               platform, microbatches, groups, stages, repeats,
+                               keep_placement)
 
     with young_objects_only():
         return planned_schedule(call, microbatches, batch_argnums, traced,
@@ -86,7 +89,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                   donate_argnums: int | Sequence[int] = (),
                   donate_argnames: str | Sequence[str] = (), microbatches: int | str = 1,
                   batch_argnums: int | Sequence[int] = -1, pipeline: int | str = 1,
-                  pipeline_repeats: int = 1) -> Any:
+                  pipeline_repeats: int = 1, keep_placement: bool = False) -> Any:
     """Decorate a single-device step so that it runs sharded over `mesh`.
 
     The first call with given input shapes traces the step, searches a plan with `search`
@@ -120,6 +123,11 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     `pipeline_repeats=R` makes it circular: each stage holds R chunks of L/(S R) layers, and
     each microbatch goes round the stages R times (M >= S), so the bubble falls from
     (S-1)/(M+S-1) to (S-1)/(R M+S-1) of a stage's time, at R times the shifts.
+    `keep_placement=True` keeps a circular schedule's stacked layers, with their optimizer
+    state, in that placement between steps rather than moving them there every step: the
+    step returns its state as `autopar.Placed` (pass it back as it is; `autopar.unpack(state)`
+    gives your tree, with the layers in your order). Off by default: the state you get back
+    is then not your tree until unpacked (schedule/stored.py).
     `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
     fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
     each divisor), several microbatch counts and repeats, and keeps the schedule estimated
@@ -131,7 +139,8 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
                                  static_argnums=static_argnums, static_argnames=static_argnames,
                                  donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                                  microbatches=microbatches, batch_argnums=batch_argnums,
-                                 pipeline=pipeline, pipeline_repeats=pipeline_repeats)
+                                 pipeline=pipeline, pipeline_repeats=pipeline_repeats,
+                                 keep_placement=keep_placement)
     _check_real_mesh(mesh)
     _check_search(search)
     check_annotations_type(annotations)
@@ -143,7 +152,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     hw = get_profile(hardware)
     return AutoParallel(fn, mesh, search, hw, plan, annotations,
                         resolve_memory_limit(memory_limit, hw, mesh), conventions, microbatches,
-                        batch_argnums, pipeline, pipeline_repeats)
+                        batch_argnums, pipeline, pipeline_repeats, keep_placement)
 
 
 def _saved_plan(plan: Plan | str | os.PathLike | None, annotations: Annotations) -> Plan | None:
@@ -184,6 +193,7 @@ class _Signature:
     mesh: Mesh
     out_tree: Any
     make_plan: Callable[[], Plan]
+    stored: Storage | None = None  # the stack's leaves kept in the circular placement
 
     @functools.cached_property
     def plan(self) -> Plan:
@@ -197,7 +207,8 @@ class AutoParallel:
                  saved: Plan | None, annotations: Annotations = None,
                  memory_limit: int | None = None, conventions: Conventions | None = None,
                  microbatches: int | str = 1, batch_argnums: int | Sequence[int] = -1,
-                 pipeline: int | str = 1, pipeline_repeats: int = 1) -> None:
+                 pipeline: int | str = 1, pipeline_repeats: int = 1,
+                 keep_placement: bool = False) -> None:
         self.fn, self.search, self.hw, self.saved = fn, search, hw, saved
         self.annotations, self.memory_limit = annotations, memory_limit
         self.conventions = conventions or Conventions()
@@ -210,6 +221,7 @@ class AutoParallel:
         self.microbatches, self.batch_argnums = microbatches, batch_argnums
         self.stages = saved.pipeline_stages if saved is not None else pipeline
         self.repeats = saved.pipeline_repeats if saved is not None else pipeline_repeats
+        self.keep_placement = keep_placement
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else mesh_or_count(mesh)
         # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
         self.platform = compiler_platform(mesh, hw)
@@ -237,7 +249,7 @@ class AutoParallel:
                 "plan": self.saved, "annotations": self.annotations,
                 "memory_limit": self.memory_limit, "microbatches": self.microbatches,
                 "batch_argnums": self.batch_argnums, "pipeline": self.stages,
-                "pipeline_repeats": self.repeats}
+                "pipeline_repeats": self.repeats, "keep_placement": self.keep_placement}
 
     def _make(self, call: Call) -> _Signature:
         """Plan (or apply the saved plan) for these arguments; the jitted step."""
@@ -251,6 +263,18 @@ class AutoParallel:
         """The saved plan's decisions applied to this step: no search."""
         graph, in_tree, out_shape = trace(self._step(call), call.abstract(), call.donated,
                                           compiler=self.platform)
+        stored = None
+        if self.saved.stored is not None:
+            graph, stored = traced_stored(self._step(call), call.abstract(), call.donated,
+                                          self.platform, graph, self.saved.stored.reads)
+            stored = stored and dataclasses.replace(stored, stages=self.stages,
+                                                    repeats=self.repeats)
+            if stored != self.saved.stored:
+                raise AutoparError(
+                    f"the saved plan keeps {len(self.saved.stored.inputs)} leaves of the "
+                    f"stack in the circular placement, and this step would store "
+                    f"{len(stored.inputs) if stored else 0} (leaves {stored and stored.inputs}"
+                    f", not {self.saved.stored.inputs}). Fix: plan this step again.")
         decisions = decisions_from_plan(graph, self.saved, shape)
         out_tree = jax.tree_util.tree_structure(out_shape)
         # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
@@ -265,7 +289,7 @@ class AutoParallel:
                                        pipeline_repeats=self.repeats)
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
-                               output_specs(graph, decisions), out_tree, assembled)
+                               output_specs(graph, decisions), out_tree, assembled, stored)
 
     def _step(self, call: Call) -> Callable:
         groups = self.saved.microbatch_groups if self.saved is not None else 1
@@ -278,7 +302,7 @@ class AutoParallel:
                    repeats: int = 1) -> Planning:
             return Planning.traced(step, call.abstract(), self.hw, self.search,
                                    self.annotations, call.donated, self.platform, microbatches,
-                                   groups, stages, repeats)
+                                   groups, stages, repeats, self.keep_placement)
 
         planning, decisions, p, shape = planned_schedule(
             call, self.microbatches, self.batch_argnums, traced, shape, self.memory_limit,
@@ -286,7 +310,8 @@ class AutoParallel:
 
         def make(decisions: Decisions, p: Plan) -> _Signature:
             return self._signature(planning.graph, decisions, dict(p.mesh),
-                                   [t.spec for t in p.outputs], p.out_tree, lambda: p)
+                                   [t.spec for t in p.outputs], p.out_tree, lambda: p,
+                                   planning.stored)
 
         def compiled_of(made: _Signature) -> Any:
             return made.jitted.lower(*_abstract(call.leaves)).compile()
@@ -294,14 +319,14 @@ class AutoParallel:
         return fitted(planning, shape, self.memory_limit, decisions, p, make, compiled_of)
 
     def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],
-                   out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan]
-                   ) -> _Signature:
+                   out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan],
+                   stored: Storage | None = None) -> _Signature:
         """The jitted step of `decisions` on the mesh of `axes` (the requested Mesh itself
         where one was given)."""
         requested = self.requested
         mesh = requested if isinstance(requested, Mesh) else make_mesh(axes)
         return _Signature(graph, decisions, jit_step(graph, decisions, mesh, out_specs), mesh,
-                          out_tree, make_plan)
+                          out_tree, make_plan, stored)
 
     def mesh(self, *args: Any, **kwargs: Any) -> Mesh:
         """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
@@ -311,14 +336,18 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         made = self._compiled(call, key)
+        stored = made.stored
         placed = place(call, [NamedSharding(made.mesh, to_partition_spec(s))
-                              for s in made.decisions.inputs])
+                              for s in made.decisions.inputs],
+                       stored_inputs(call, stored) if stored else None)
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
             with young_objects_only():
                 outs = made.jitted(*placed)
             self._called.add(key)
+        if stored:
+            return placed_outputs(made.out_tree, outs, stored)
         return jax.tree_util.tree_unflatten(made.out_tree, outs)
 
     def input_shardings(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from autopar.distributed import multiprocess, place_everywhere
 from autopar.errors import AutoparError, collect_errors
+from autopar.schedule.stored import unwrapped
 from autopar.trace.tracer import argument_names, path_to_str
 
 
@@ -79,10 +80,12 @@ class Call:
     trace (hashable: they are part of the cache key), and the traced ones, positional then
     keyword by name, with their flat leaves and the positions of the donated leaves. A traced
     argument is named, for its paths, after its parameter (argN where it has none) or its
-    keyword."""
+    keyword. An autopar.Placed argument is taken as the tree it wraps (`placed` says where
+    and how it is stored, schedule/stored.py)."""
 
     def __init__(self, fn: Callable, conventions: Conventions, args: tuple, kwargs: dict
                  ) -> None:
+        args, kwargs, self.placed = unwrapped(args, kwargs)
         n = len(args)
         static_nums = {i + n if i < 0 else i for i in conventions.static_nums}
         donate_nums = {i + n if i < 0 else i for i in conventions.donate_nums}
@@ -240,9 +243,11 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def place(call: Call, shardings: Sequence[NamedSharding]) -> list[Any]:
-    """Put the call's inputs where the plan wants them: those not there already, in one
-    batched device_put (several processes: distributed.place_everywhere).
+def place(call: Call, shardings: Sequence[NamedSharding], leaves: list[Any] | None = None
+          ) -> list[Any]:
+    """Put the call's inputs (or `leaves` in their stead) where the plan wants them: those
+    not there already, in one batched device_put (several processes:
+    distributed.place_everywhere).
 
     An array in host memory (the CPU platform's) is sliced from a numpy view of it: from a
     device array, device_put compiles a slicing program per shape and sharding (a 4-layer
@@ -250,7 +255,8 @@ def place(call: Call, shardings: Sequence[NamedSharding]) -> list[Any]:
     is copied first: device_put reuses the caller's buffer for a shard that is the whole
     array (a replicated leaf, such as optax's scalar count), and donating the mesh array would
     then delete the caller's."""
-    leaves = call.leaves
+    leaves = call.leaves if leaves is None else leaves
+    _check_alive(call, leaves)
     placed = list(leaves)
     moves = [k for k, (x, sharding) in enumerate(zip(leaves, shardings))
              if not (isinstance(x, jax.Array) and x.sharding == sharding)]
@@ -271,6 +277,19 @@ def place(call: Call, shardings: Sequence[NamedSharding]) -> list[Any]:
     for k, x in zip(moves, jax.device_put(sources, [shardings[k] for k in moves])):
         placed[k] = x
     return placed
+
+
+def _check_alive(call: Call, leaves: Sequence[Any]) -> None:
+    """An AutoparError for arrays deleted (donated to an earlier call, say): XLA CPU
+    (jax 0.10.2) crashes the process when a cached executable is given one."""
+    gone = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_deleted()]
+    if gone:
+        paths = [call.paths[k] for k in gone]
+        raise AutoparError(
+            f"{len(gone)} argument array(s) of {_name(call.fn)} were deleted, e.g. "
+            f"{paths[:3]}: an earlier call donated them (donate_argnums / donate_argnames), "
+            "or they were deleted by hand. Fix: pass the state that call returned, or copy "
+            "the arrays before a call that donates them.")
 
 
 def _in_host_memory(x: jax.Array) -> bool:

@@ -20,6 +20,7 @@ import jax
 from autopar.distributed import is_main_process
 from autopar.errors import AutoparError
 from autopar.plan import Plan, load_plan
+from autopar.schedule.stored import unpack
 from autopar.trace.tracer import path_to_str
 
 PLAN_FILE = "autopar_plan.json"
@@ -39,8 +40,10 @@ def save_checkpoint(path: str | os.PathLike, state: Any, plan: Plan | None = Non
     """Save `state` (a pytree of arrays, sharded as the plan left it) to the directory `path`,
     and `plan`'s JSON beside it. Every process must call it (each writes its own shards); it
     returns when the checkpoint is complete. An existing checkpoint is replaced only with
-    `overwrite=True`."""
+    `overwrite=True`. A state kept in the circular placement (autopar.Placed) is saved as
+    your tree, its layers in your order (autopar.unpack)."""
     ocp = _orbax()
+    state = unpack(state)
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not overwrite:
         raise AutoparError(f"checkpoint directory {path} exists. Fix: save to a new path (one "

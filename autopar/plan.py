@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
+from autopar.schedule.storable import Storage
 from autopar.trace.ir import OpGraph
 
 
@@ -151,6 +152,8 @@ class Plan:
     microbatch_groups: int = 1
     pipeline_stages: int = 1  # stages of the loss's layer stack (schedule/gpipe.py)
     pipeline_repeats: int = 1  # rounds each microbatch makes through them (circular schedule)
+    # the stack's leaves kept in the circular placement between steps (keep_placement=True)
+    stored: Storage | None = None
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -212,6 +215,8 @@ class Plan:
         if self.pipeline_stages > 1:
             lines.append(pipeline_line(self.pipeline_stages, self.microbatches,
                                        self.microbatch_groups, self.pipeline_repeats))
+            if self.stored is not None:
+                lines.append(stored_line(self.stored, self.inputs))
         elif self.microbatches > 1:
             reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
                        "once after the loop" if self.microbatch_groups > 1 else
@@ -309,6 +314,14 @@ def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int 
             f"bubble {(stages - 1) / ticks:.0%} of each stage's time"
             + (f"; each stage's microbatch in {shares} shares, its gradient reduced once after "
                "the loop" if shares > 1 else ""))
+
+
+def stored_line(stored: Storage, inputs: tuple[TensorPlan, ...]) -> str:
+    """The summary's line for a plan that keeps the stack in the circular placement."""
+    named = sorted({inputs[k].path.split("/")[0] for k in stored.inputs})
+    return (f"stored in the circular placement between steps: {len(stored.inputs)} leaves of "
+            f"{stored.length} layers (of {', '.join(named)}); the step returns them as "
+            "autopar.Placed, autopar.unpack gives your tree")
 
 
 def schedule_line(tried: dict) -> str:

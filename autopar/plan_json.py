@@ -24,6 +24,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
+from autopar.schedule.storable import Storage
 from autopar.trace.layers import instance_of, layer_key
 
 FORMAT_VERSION = 2
@@ -275,6 +276,7 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
         **({"microbatch_groups": plan.microbatch_groups} if plan.microbatch_groups > 1 else {}),
         **({"pipeline_stages": plan.pipeline_stages} if plan.pipeline_stages > 1 else {}),
         **({"pipeline_repeats": plan.pipeline_repeats} if plan.pipeline_repeats > 1 else {}),
+        **({"stored_in_placement": stored_json(plan.stored)} if plan.stored else {}),
         "inputs": [tensor_json(t) for t in plan.inputs],
         "outputs": outputs_json(plan.outputs, plan.inputs),
         "decisions": [decision_json(d) for d in plan.decisions],
@@ -287,6 +289,22 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
     if detail:
         body["ops"] = [op_json(o) for o in plan.ops]
     return body
+
+
+def stored_json(stored: Storage) -> dict[str, Any]:
+    """The stack's leaves kept in the circular placement: the stack's per-layer inputs read
+    from them, the flat input and output leaves stored, the layer count."""
+    return {"layers": stored.length, "stages": stored.stages, "repeats": stored.repeats,
+            "stack_inputs": list(stored.reads),
+            "input_leaves": list(stored.inputs), "output_leaves": list(stored.outputs)}
+
+
+def stored_from(body: dict[str, Any] | None) -> Storage | None:
+    if not body:
+        return None
+    return Storage(tuple(body["stack_inputs"]), tuple(body["input_leaves"]),
+                   tuple(body["output_leaves"]), int(body["layers"]), int(body["stages"]),
+                   int(body["repeats"]))
 
 
 def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -304,6 +322,7 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
         microbatch_groups=int(body.get("microbatch_groups", 1)),
         pipeline_stages=int(body.get("pipeline_stages", 1)),
         pipeline_repeats=int(body.get("pipeline_repeats", 1)), inputs=inputs,
+        stored=stored_from(body.get("stored_in_placement")),
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),
         ops=tuple(op_from(o) for o in body.get("ops", [])),
         cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),

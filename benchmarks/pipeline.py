@@ -25,15 +25,18 @@ from benchmarks import pipeline_expert
 MiB = 2**20
 CONFIG = dict(vocab=512, d_model=128, heads=4, layers=8, scan=True)
 # name -> (mesh, microbatches, stages, rounds through the stages: the circular schedule,
-# whether the layers are one nn.scan or a Python loop of blocks)
-CASES = {"one batch": ({"data": 8}, 1, 1, 1, True), "accumulated": ({"data": 8}, 8, 1, 1, True),
-         "2 stages": ({"stage": 2, "data": 4}, 8, 2, 1, True),
-         "2 stages, Python loop": ({"stage": 2, "data": 4}, 8, 2, 1, False),
-         "2 stages, circular": ({"stage": 2, "data": 4}, 8, 2, 2, True),
-         "4 stages": ({"stage": 4, "data": 2}, 8, 4, 1, True),
-         "4 stages, Python loop": ({"stage": 4, "data": 2}, 8, 4, 1, False),
-         "4 stages, circular": ({"stage": 4, "data": 2}, 8, 4, 2, True),
-         "8 stages": ({"stage": 8}, 8, 8, 1, True)}
+# whether the layers are one nn.scan or a Python loop of blocks, keep_placement)
+CASES = {"one batch": ({"data": 8}, 1, 1, 1, True, False),
+         "accumulated": ({"data": 8}, 8, 1, 1, True, False),
+         "2 stages": ({"stage": 2, "data": 4}, 8, 2, 1, True, False),
+         "2 stages, Python loop": ({"stage": 2, "data": 4}, 8, 2, 1, False, False),
+         "2 stages, circular": ({"stage": 2, "data": 4}, 8, 2, 2, True, False),
+         "2 stages, circular, stored": ({"stage": 2, "data": 4}, 8, 2, 2, True, True),
+         "4 stages": ({"stage": 4, "data": 2}, 8, 4, 1, True, False),
+         "4 stages, Python loop": ({"stage": 4, "data": 2}, 8, 4, 1, False, False),
+         "4 stages, circular": ({"stage": 4, "data": 2}, 8, 4, 2, True, False),
+         "4 stages, circular, stored": ({"stage": 4, "data": 2}, 8, 4, 2, True, True),
+         "8 stages": ({"stage": 8}, 8, 8, 1, True, False)}
 
 
 def gpt(batch: int, **config: Any) -> tuple[Callable, Any, Any]:
@@ -43,7 +46,7 @@ def gpt(batch: int, **config: Any) -> tuple[Callable, Any, Any]:
                              autopar.value_and_grad), state, data
 
 
-def run(cases: dict[str, tuple[dict, int, int, int, bool]] = CASES, batch: int = 64,
+def run(cases: dict[str, tuple[dict, int, int, int, bool, bool]] = CASES, batch: int = 64,
         config: dict | None = None, experts: bool = True,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Each case planned and compiled; with `experts`, after each GPipe case of the nn.scan
@@ -53,12 +56,12 @@ def run(cases: dict[str, tuple[dict, int, int, int, bool]] = CASES, batch: int =
     models_by_layout = {scan: gpt(batch, **{**config, "scan": scan})
                         for scan in {case[4] for case in cases.values()}}
     rows = []
-    for name, (axes, m, s, rounds, scan) in cases.items():
+    for name, (axes, m, s, rounds, scan, keep) in cases.items():
         step, state, data = models_by_layout[scan]
         mesh = autopar.make_mesh(axes)
         sharded = autopar.auto_parallel(step, mesh=mesh, microbatches=m, pipeline=s,
                                         pipeline_repeats=rounds, donate_argnums=0,
-                                        hardware="h100")
+                                        hardware="h100", keep_placement=keep)
         plan = sharded.plan(state, data)
         rows.append({
             "program": name, "mesh": "x".join(map(str, axes.values())), "microbatches": m,
@@ -115,7 +118,9 @@ def markdown(result: dict[str, Any]) -> str:
              "Shares: each microbatch computed as so many shares, one per device group along "
              "the batch's other axes, the gradient reduced once after the loop (1: none). "
              "R: rounds each microbatch makes through the stages (the circular schedule, "
-             "`pipeline_repeats`). \"hand-written GPipe\": the same S and M as a JAX user "
+             "`pipeline_repeats`); \"stored\": with keep_placement=True, the stack and its "
+             "optimizer state kept in the circular placement between steps. "
+             "\"hand-written GPipe\": the same S and M as a JAX user "
              "writes it in plain jax.jit (benchmarks/pipeline_expert.py); it has no estimate.",
              "",
              "| program | mesh | M | S | R | shares | bubble | collectives compiled MiB (inside "

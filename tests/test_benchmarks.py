@@ -97,8 +97,8 @@ def test_accumulation_suite_smoke():
 
 def test_pipeline_suite_smoke():
     from benchmarks import pipeline
-    cases = {"2 stages": ({"stage": 2, "data": 4}, 4, 2, 1, True),
-             "circular": ({"stage": 2, "data": 4}, 4, 2, 2, True)}
+    cases = {"2 stages": ({"stage": 2, "data": 4}, 4, 2, 1, True, False),
+             "circular": ({"stage": 2, "data": 4}, 4, 2, 2, True, True)}
     result = pipeline.run(cases, batch=16, config=dict(d_model=32, layers=4, vocab=64),
                           log=lambda line: None)
     row, expert, circular = result["pipeline"]

@@ -77,6 +77,9 @@ def test_donated_state_on_the_mesh_is_deleted_and_trains_right(option):
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(batch))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert global_relative_error(ref_state, new) < 1e-4
+    # the donated state passed again: named, where XLA CPU would crash the process
+    with pytest.raises(autopar.AutoparError, match=r"were deleted, e\.g\. \['state/"):
+        sharded(old, batch)
 
 
 def test_keyword_arguments_are_traced_like_positional_ones():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -19,9 +20,11 @@ from autopar.plan import Decisions, Plan
 from autopar.planning.assemble import Candidate, assemble, tally, written_up
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
-from autopar.planning.problem import Unit, make_units
+from autopar.planning.problem import AutoparWarning, Unit, make_units
 from autopar.planning.solve import exactness, solve
 from autopar.rules.factors import Spec
+from autopar.schedule.storable import Storage, storage
+from autopar.schedule.stored import stored_layers
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
@@ -48,6 +51,7 @@ class Planning:
     microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
     pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
     pipeline_repeats: int = 1  # that many times round (the circular schedule)
+    stored: Storage | None = None  # the stack's leaves kept in placement (schedule/stored.py)
     # Under a memory limit, dynamic_programming proves the price search's answer where its
     # tables fit (budget.py); False keeps the prices' answer, found sooner.
     prove: bool = True
@@ -60,18 +64,26 @@ class Planning:
                annotations: Annotations = None, donated: frozenset[int] = frozenset(),
                platform: str | None = None, microbatches: int = 1,
                microbatch_groups: int = 1, pipeline_stages: int = 1,
-               pipeline_repeats: int = 1) -> Planning:
+               pipeline_repeats: int = 1, keep_placement: bool = False) -> Planning:
         """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
         estimate reads) for a compiler of `platform` (default: the hardware profile's);
         `microbatches`, `microbatch_groups`, `pipeline_stages`, `pipeline_repeats`: how `fn`
-        accumulates its gradient, for the plan to say."""
+        accumulates its gradient, for the plan to say. `keep_placement`: the circular
+        schedule's stack stored in its placement where the step allows (traced twice: to
+        find which leaves, then reading them so)."""
         t0 = time.perf_counter()
         platform = platform or hw.platform
         graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
+        stored = None
+        if keep_placement and pipeline_repeats > 1:
+            graph, stored = traced_stored(fn, args, donated, platform, graph)
+            stored = stored and dataclasses.replace(stored, stages=pipeline_stages,
+                                                    repeats=pipeline_repeats)
         return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
                    annotations, buffer_model(platform), time.perf_counter() - t0,
                    microbatches=microbatches, microbatch_groups=microbatch_groups,
-                   pipeline_stages=pipeline_stages, pipeline_repeats=pipeline_repeats)
+                   pipeline_stages=pipeline_stages, pipeline_repeats=pipeline_repeats,
+                   stored=stored)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
              ) -> tuple[Decisions, Plan]:
@@ -106,7 +118,8 @@ class Planning:
                           self.out_tree, memory_limit, self.buffers)
         return chosen.decisions, dataclasses.replace(
             plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups,
-            pipeline_stages=self.pipeline_stages, pipeline_repeats=self.pipeline_repeats)
+            pipeline_stages=self.pipeline_stages, pipeline_repeats=self.pipeline_repeats,
+            stored=self.stored)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:
@@ -118,6 +131,31 @@ class Planning:
         stats["trace_s"] = self.trace_s
         return Candidate(decisions, tally(self.graph, decisions, shape, self.hw, pinned),
                          plan_memory(self.graph, decisions, shape, self.buffers), stats)
+
+
+def traced_stored(fn: Callable, args: Sequence[Any], donated: frozenset[int], platform: str,
+                  graph: OpGraph, reads: Sequence[int] | None = None
+                  ) -> tuple[OpGraph, Storage | None]:
+    """The step traced with its stack reading stored leaves (`reads`: the stack inputs a
+    saved plan stores; by default those `graph`, traced in layer order, allows), and
+    what is stored; a warning names each of the stack's leaves kept in layer order and
+    why. Where nothing can be stored, `graph` and None."""
+    found = storage(graph) if reads is None else None
+    if found is not None:
+        for index, why in found.refused.items():
+            warnings.warn(AutoparWarning(
+                f"keep_placement: the stack's input {index} stays in layer order and moves "
+                f"into the circular placement every step, since the step reads {why}."),
+                stacklevel=2)
+        reads = found.reads
+    if not reads:
+        return graph, None
+    @functools.wraps(fn)  # a new function: jax's trace cache would give the first trace back
+    def stored_step(*a: Any) -> Any:
+        with stored_layers(reads):
+            return fn(*a)
+    graph = trace(stored_step, args, donated, compiler=platform)[0]
+    return graph, storage(graph)
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,

@@ -32,7 +32,10 @@ OTHER_ELEMENTWISE = frozenset({
 # Elementwise by their shapes, with no arithmetic: marks and loop carries.
 # The autopar.shard primitive (autopar.trace.shard), by name: rules come before the tracer.
 SHARD_MARK = "autopar_shard"
-MARKS = frozenset({SHARD_MARK, "optimization_barrier", "scan_carry", "scan_carry_out"})
+# The pipelined stack's read of a per-layer input, and of its gradient (autopar.schedule.stored).
+STACK_READ = "autopar_stack_read"
+MARKS = frozenset({SHARD_MARK, STACK_READ, "optimization_barrier", "scan_carry",
+                   "scan_carry_out"})
 ELEMENTWISE = CHEAP_ELEMENTWISE | OTHER_ELEMENTWISE | MARKS
 
 # Elementwise too, but not fused: random numbers, one key (a key array's element) or one

@@ -6,6 +6,8 @@ one program autopar plans.
 - `gpipe`: pipeline parallelism, `pipeline=S`: the loss's layer stack as S stages (GPipe);
 - `blocks`: a Python loop of blocks in the loss, found and re-traced as one loop to pipeline;
 - `separable`: whether a loss is a sum over microbatches, and each operation's share;
+- `stored`, `storable`: the circular schedule's stack kept in its placement between steps
+  (`keep_placement=True`), and which leaves a step lets be kept so;
 - `layout`: the batch in microbatches and shares, gradient trees;
 - `microbatches`: how many microbatches ("auto"), and whether the gradient reduces once.
 """

@@ -43,6 +43,7 @@ from autopar.schedule.blocks import chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
 from autopar.schedule.separable import Separability, bind_equation, eqn_source
+from autopar.schedule.stored import is_stored, stack_read
 from autopar.trace.shard import shard
 
 STAGE_AXIS = "stage"
@@ -207,7 +208,10 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         return x if g == 1 else jnp.broadcast_to(
             jnp.expand_dims(x, lead), (*shape[:lead], g, *shape[lead:]))
 
-    layers = [shard(copies(_stage_layers(x, s, r), 1), PartitionSpec(STAGE_AXIS)) for x in xs]
+    if r > 1:  # marked where the stack reads them: they may be stored in placement (stored.py)
+        xs = [stack_read(x, i) for i, x in enumerate(xs)]
+    layers = [shard(copies(_stage_layers(x, s, r, is_stored(i)), 1), PartitionSpec(STAGE_AXIS))
+              for i, x in enumerate(xs)]
     inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
                 if k.batch is not None}
@@ -322,13 +326,15 @@ def _bubble_cut_backward(valid: Any, grad: Any) -> tuple[Any, None]:
 bubble_cut.defvjp(_bubble_cut_forward, _bubble_cut_backward)
 
 
-def _stage_layers(x: Any, stages: int, repeats: int) -> Any:
+def _stage_layers(x: Any, stages: int, repeats: int, stored: bool = False) -> Any:
     """A per-layer input [L, ...] as each stage holds it: [S, L/S, ...], layers s L/S .. of
     stage s; with R repeats [S, R, L/(S R), ...], chunk r of stage s the layers of the
-    (r S + s)-th of the S R consecutive chunks (the circular schedule's placement)."""
+    (r S + s)-th of the S R consecutive chunks (the circular schedule's placement). `stored`:
+    `x` is stored in that placement already (stored.placement_order)."""
     length, rest = x.shape[0], x.shape[1:]
-    if repeats == 1:
-        return jnp.reshape(x, (stages, length // stages, *rest))
+    if repeats == 1 or stored:
+        return jnp.reshape(x, (stages, *([repeats] if repeats > 1 else []),
+                               length // (stages * repeats), *rest))
     chunks = jnp.reshape(x, (repeats, stages, length // (stages * repeats), *rest))
     return jnp.swapaxes(chunks, 0, 1)
 

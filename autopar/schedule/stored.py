@@ -1,0 +1,221 @@
+"""The circular schedule's layers stored in its placement between steps
+(`auto_parallel(..., pipeline_repeats=R, keep_placement=True)`).
+
+Stage s of the circular schedule holds chunks s, s+S, ... of the stack's S R chunks, which are
+not consecutive layers of a stacked leaf [L, ...]; read in layer order, the stack moves into
+that placement every step (an all-gather over 'stage') and its gradient moves back. Stored in
+placement order instead (row i of the leaf holding layer `placement_order(L, S, R)[i]`), the
+leaf split over 'stage' already gives each stage its own chunks: the pipeline reads it with a
+reshape, no collective.
+
+Only the stack's reads know the order. Everything else the step does to such a leaf must not
+care: the optimizer's elementwise update, sums over all layers (a global norm), values
+broadcast along the layers. So the moments, the gradient and the new parameters are stored
+the same way, and a leaf is stored only where nothing in the step reads its layers in order
+(storable.py checks every operation).
+
+The step's state then differs from the user's tree in its layer order, which must not pass
+unnoticed: it is returned wrapped as `Placed`, taken back as it came, and `unpack` gives the
+user's own tree (for a checkpoint, for evaluation elsewhere).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from autopar.errors import AutoparError
+from autopar.rules.kinds import STACK_READ
+
+# -- the stack's read, marked in the traced step ---------------------------------------------
+# An identity on a stacked input [L, ...] of the pipelined stack (`index`: its position among
+# the stack's per-layer inputs), so that the planning finds where the stack reads a leaf and
+# where the leaf's gradient comes back (`grad`: the transpose's mark).
+stack_read_p = Primitive(STACK_READ)
+stack_read_p.def_impl(lambda x, *, index, grad: x)
+stack_read_p.def_abstract_eval(lambda x, *, index, grad: x)
+mlir.register_lowering(stack_read_p, mlir.lower_fun(lambda x, *, index, grad: x,
+                                                    multiple_results=False))
+ad.deflinear2(stack_read_p, lambda ct, x, *, index, grad: [
+    stack_read_p.bind(ct, index=index, grad=not grad)])
+batching.primitive_batchers[stack_read_p] = lambda args, dims, **params: (
+    stack_read_p.bind(args[0], **params), dims[0])
+
+
+def stack_read(x: Any, index: int) -> Any:
+    """`x`, marked as the stack's per-layer input number `index`."""
+    return stack_read_p.bind(x, index=index, grad=False)
+
+
+# Per-layer inputs (by index) that arrive in placement order while a step is traced.
+_STORED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autopar_stored_layers", default=frozenset())
+
+
+@contextlib.contextmanager
+def stored_layers(indices: Sequence[int]) -> Iterator[None]:
+    """Trace the pipeline reading per-layer inputs `indices` as stored in placement order."""
+    token = _STORED.set(frozenset(indices))
+    try:
+        yield
+    finally:
+        _STORED.reset(token)
+
+
+def is_stored(index: int) -> bool:
+    return index in _STORED.get()
+
+
+def placement_order(length: int, stages: int, repeats: int) -> np.ndarray:
+    """Row i of a stored leaf holds layer `order[i]`: stage s's chunks (s, s+S, ...) one after
+    the other, so that a split over 'stage' of the stored leaf gives each stage its own."""
+    return np.arange(length).reshape(repeats, stages, -1).swapaxes(0, 1).reshape(-1)
+
+
+# -- the state, stored ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Which leaves of a tree are stored in placement order, and that order."""
+    leaves: tuple[int, ...]  # flat leaf indices within the tree
+    length: int
+    stages: int
+    repeats: int
+
+    def order(self) -> np.ndarray:
+        return placement_order(self.length, self.stages, self.repeats)
+
+
+class PlacedStateError(AutoparError, AttributeError):
+    """A Placed state read as the user's tree (an AttributeError too, so hasattr works)."""
+
+
+@jax.tree_util.register_pytree_node_class
+class Placed:
+    """A step's state with its stack's layers stored in the circular schedule's placement
+    (keep_placement=True). Pass it back to the step as it came; `autopar.unpack(placed)` (or
+    `placed.unpack()`) gives the tree in the user's layer order."""
+
+    def __init__(self, tree: Any, layout: Layout) -> None:
+        self.tree, self.layout = tree, layout
+
+    def tree_flatten(self) -> tuple[tuple, Layout]:
+        return (self.tree,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: Layout, children: tuple) -> Placed:
+        return cls(children[0], layout)
+
+    def unpack(self) -> Any:
+        return unpack(self)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise PlacedStateError(
+            f"this state holds its stack's layers in the pipeline's placement "
+            f"({len(self.layout.leaves)} leaves of {self.layout.length} layers stored as "
+            f"{self.layout.stages} stages x {self.layout.repeats} rounds), not in your layer "
+            f"order, so it has no {name!r} of yours to read. Fix: autopar.unpack(state) gives "
+            "your tree; pass the state itself back to the step.")
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.__getattr__(f"[{key!r}]")
+
+    def __repr__(self) -> str:
+        return (f"Placed({len(self.layout.leaves)} leaves stored as {self.layout.stages} "
+                f"stages x {self.layout.repeats} rounds; autopar.unpack gives the tree)")
+
+
+def reorder(leaves: list, layout: Layout, inverse: bool) -> list:
+    """`leaves` (a tree's flat leaves) with those of `layout` put into placement order, or
+    (inverse) back into layer order."""
+    order = layout.order()
+    index = np.argsort(order) if inverse else order
+    out = list(leaves)
+    for k in layout.leaves:
+        out[k] = _take_rows(out[k], index)
+    return out
+
+
+def _take_rows(x: Any, index: np.ndarray) -> Any:
+    if isinstance(x, jax.Array):
+        return jnp.take(x, jnp.asarray(index), axis=0)
+    return np.take(np.asarray(x), index, axis=0)
+
+
+def unpack(state: Any) -> Any:
+    """The user's tree of a state the step returned with keep_placement=True (its stack's
+    layers back in layer order); anything else is returned as it is. Placed values inside a
+    larger tree are unpacked too."""
+    def one(x: Any) -> Any:
+        if not isinstance(x, Placed):
+            return x
+        leaves, tree = jax.tree_util.tree_flatten(x.tree)
+        return tree.unflatten(reorder(leaves, x.layout, inverse=True))
+    return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, Placed))
+
+
+# -- a call's state in and out --------------------------------------------------------------
+def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int | str, Layout]]:
+    """The call's arguments with each Placed one replaced by the tree it wraps, and where
+    those were (position or keyword) with their layouts."""
+    placed: dict[int | str, Layout] = {}
+
+    def one(where: int | str, value: Any) -> Any:
+        if isinstance(value, Placed):
+            placed[where] = value.layout
+            return value.tree
+        return value
+    return (tuple(one(i, a) for i, a in enumerate(args)),
+            {k: one(k, v) for k, v in kwargs.items()}, placed)
+
+
+def stored_inputs(call: Any, stored: Any) -> list:
+    """The call's flat leaves as the step takes them (`stored`: the plan's Storage): the
+    stored ones of a Placed argument as they came, those of a plain tree (the user's first
+    state, a restored checkpoint) put into placement order."""
+    leaves = list(call.leaves)
+    start = 0
+    for where, tree in zip(call.slots, call.trees):
+        end = start + tree.num_leaves
+        mine = tuple(k - start for k in stored.inputs if start <= k < end)
+        layout = Layout(mine, stored.length, stored.stages, stored.repeats)
+        given = call.placed.get(where)
+        if given is None and mine:
+            leaves[start:end] = reorder(leaves[start:end], layout, inverse=False)
+        elif given is not None and given != layout:
+            what = f"argument {where!r}" if isinstance(where, str) else f"argument {where}"
+            raise AutoparError(
+                f"{what} is an autopar.Placed state of {len(given.leaves)} stored leaves "
+                f"({given.length} layers as {given.stages} stages x {given.repeats} rounds), "
+                f"and this step's plan stores {len(mine)} of its leaves ({layout.length} "
+                f"layers as {layout.stages} x {layout.repeats}). Fix: pass "
+                "autopar.unpack(state): the step puts a plain tree into its placement itself.")
+        start = end
+    return leaves
+
+
+def placed_outputs(out_tree: Any, outs: list, stored: Any) -> Any:
+    """The step's outputs, the element holding the stored leaves (the new state: the whole
+    output, or one element of a tuple or list) returned as Placed."""
+    out = jax.tree_util.tree_unflatten(out_tree, outs)
+    layout = Layout(stored.outputs, stored.length, stored.stages, stored.repeats)
+    if isinstance(out, (tuple, list)):
+        start = 0
+        for i, child in enumerate(out_tree.children()):
+            end = start + child.num_leaves
+            if all(start <= k < end for k in stored.outputs):
+                items = list(out)
+                items[i] = Placed(items[i], Layout(tuple(k - start for k in stored.outputs),
+                                                   stored.length, stored.stages,
+                                                   stored.repeats))
+                return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+            start = end
+    return Placed(out, layout)

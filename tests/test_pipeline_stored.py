@@ -1,0 +1,104 @@
+"""keep_placement=True: the circular schedule's stacked layers and their optimizer state stay
+in its placement between steps. Trains equal to one device (after autopar.unpack), moves no
+layer outside the loop, and leaves what the step reads in layer order where it is."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import copy_tree, global_relative_error, run_steps
+from test_pipeline import gpt_case, mlp_case, Stack
+from test_pipeline_circular import by_kind
+
+import autopar
+from autopar.cost.hlo import collectives
+
+MESH = {"stage": 2, "data": 4}
+CIRCULAR = dict(microbatches=4, pipeline=2, pipeline_repeats=2, hardware="h100")
+
+
+def test_stored_placement_trains_equal_to_one_device_and_moves_no_layer():
+    step, state, data = gpt_case()
+    mesh = autopar.make_mesh(MESH)
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
+    sharded = autopar.auto_parallel(step, mesh=mesh, keep_placement=True, donate_argnums=0,
+                                    **CIRCULAR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.AutoparWarning)
+        placed, losses = run_steps(sharded, copy_tree(state), data, 2)
+        # a plain tree (a restored checkpoint, say) is put into the placement on the way in
+        new_state, loss = sharded(autopar.unpack(placed), data)
+    np.testing.assert_allclose(losses + [float(loss)], ref_losses, rtol=1e-5)
+    assert isinstance(new_state, autopar.Placed)
+    assert global_relative_error(ref_state, autopar.unpack(new_state)) < 1e-4
+    with pytest.raises(autopar.AutoparError, match="autopar.unpack"):
+        new_state[0]
+
+    plan = sharded.plan(new_state, data)
+    stored = plan.stored
+    # the stack's 16 leaves, and Adam's two moments of each
+    assert len(stored.inputs) == 48 and stored.inputs == stored.outputs, stored
+    assert "stored in the circular placement between steps: 48 leaves" in plan.summary()
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.stored == stored
+
+    # The layers' move into the placement (an all-gather over 'stage' outside the loop, in
+    # layer order) is gone; every kind's bytes, predicted, equal the compiled program's.
+    found = collectives(sharded.lower(new_state, data).compile().as_text())
+    moved = autopar.auto_parallel(step, mesh=mesh, **CIRCULAR)
+    in_order = collectives(moved.lower(state, data).compile().as_text())
+    outside = lambda cs: by_kind([c for c in cs if c.executions == 1])  # noqa: E731
+    assert outside(in_order).get("all-gather", 0) > 0 and "all-gather" not in outside(found)
+    predicted = {k[:-len("_bytes")]: v for k, v in plan.cost.items()
+                 if k.endswith("_bytes") and k != "peak_memory_bytes" and v}
+    assert predicted == by_kind(found)
+
+    # the saved plan applied again stores the same leaves and trains the same
+    saved = autopar.auto_parallel(step, mesh=mesh, plan=again)
+    again_state, again_loss = saved(new_state, data)
+    follow_state, follow_loss = sharded(new_state, data)
+    np.testing.assert_allclose(float(again_loss), float(follow_loss), rtol=1e-6)
+    assert global_relative_error(autopar.unpack(follow_state),
+                                 autopar.unpack(again_state)) < 1e-6
+
+
+def test_what_the_step_reads_in_layer_order_stays_there(tmp_path):
+    """A step that also returns the first layer's kernel reads the stack in order: that leaf
+    (and its optimizer state) stays in layer order, with a warning naming why; the rest is
+    stored, and the step still trains equal to one device."""
+    step, state, data = mlp_case(Stack(layers=4))
+
+    def watched(state, batch):
+        new_state, loss = step(state, batch)
+        first = new_state[0]["params"]["stack"]["Dense_0"]["kernel"][0]
+        return new_state, loss + 0.0 * jnp.sum(first)
+
+    ref_state, ref_losses = run_steps(jax.jit(watched), copy_tree(state), data, 3)
+    sharded = autopar.auto_parallel(watched, mesh=autopar.make_mesh(MESH), keep_placement=True,
+                                    microbatches=2, pipeline=2, pipeline_repeats=2)
+    with pytest.warns(autopar.AutoparWarning, match="Dense_0/kernel.*slice"):
+        new_state, losses = run_steps(sharded, copy_tree(state), data, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert global_relative_error(ref_state, autopar.unpack(new_state)) < 1e-4
+    stored = sharded.plan(new_state, data).stored
+    paths = [p.path for p in sharded.plan(new_state, data).inputs]
+    kept = [paths[k] for k in stored.inputs]
+    assert kept and not any("Dense_0/kernel" in p for p in kept), kept
+    assert any("Dense_0/bias" in p for p in kept), kept
+    # a checkpoint holds the user's tree, and goes back into the step as one
+    autopar.save_checkpoint(tmp_path / "ckpt", new_state)
+    restored = autopar.restore_checkpoint(tmp_path / "ckpt", autopar.unpack(new_state))
+    assert global_relative_error(autopar.unpack(new_state), restored) == 0
+    _, loss = sharded(restored, data)
+    _, ref_loss = jax.jit(watched)(ref_state, data)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+
+
+def test_keep_placement_without_rounds_changes_nothing():
+    """GPipe's placement is the layer order: nothing to store, the state comes back plain."""
+    step, state, data = mlp_case(Stack(layers=4))
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(MESH), keep_placement=True,
+                                    microbatches=2, pipeline=2)
+    new_state, _ = sharded(state, data)
+    assert isinstance(new_state, tuple) and sharded.plan(state, data).stored is None
