@@ -26,12 +26,12 @@ from autopar.schedule.gpipe import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
 from autopar.planning.assemble import assemble, output_specs
 from autopar.planning.pins import Annotations, check_annotations_type
-from autopar.planning.pipeline import Planning, traced_stored
+from autopar.planning.pipeline import Planning
 from autopar.planning.saved import decisions_from_plan
 from autopar.planning.solve import SEARCHES
 from autopar.rules.factors import Spec, to_partition_spec
-from autopar.schedule.storable import Storage
-from autopar.schedule.stored import placed_outputs, stored_inputs
+from autopar.schedule.storable import Storage, storage
+from autopar.schedule.stored import placed_outputs, reading_stored, stored_inputs
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
@@ -261,20 +261,20 @@ class AutoParallel:
 
     def _from_saved(self, call: Call, shape: MeshShape) -> _Signature:
         """The saved plan's decisions applied to this step: no search."""
-        graph, in_tree, out_shape = trace(self._step(call), call.abstract(), call.donated,
+        step, stored = self._step(call), self.saved.stored
+        if stored is not None:  # the stack reads the leaves the plan stores
+            step = reading_stored(step, stored.reads)
+        graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
                                           compiler=self.platform)
-        stored = None
-        if self.saved.stored is not None:
-            graph, stored = traced_stored(self._step(call), call.abstract(), call.donated,
-                                          self.platform, graph, self.saved.stored.reads)
-            stored = stored and dataclasses.replace(stored, stages=self.stages,
-                                                    repeats=self.repeats)
-            if stored != self.saved.stored:
+        if stored is not None:
+            found = dataclasses.replace(storage(graph), stages=self.stages,
+                                        repeats=self.repeats)
+            if found != stored:
                 raise AutoparError(
-                    f"the saved plan keeps {len(self.saved.stored.inputs)} leaves of the "
-                    f"stack in the circular placement, and this step would store "
-                    f"{len(stored.inputs) if stored else 0} (leaves {stored and stored.inputs}"
-                    f", not {self.saved.stored.inputs}). Fix: plan this step again.")
+                    f"the saved plan keeps {len(stored.inputs)} leaves of the stack in the "
+                    f"circular placement ({stored.inputs}), and this step lets "
+                    f"{len(found.inputs)} be stored ({found.inputs}). Fix: plan this step "
+                    "again.")
         decisions = decisions_from_plan(graph, self.saved, shape)
         out_tree = jax.tree_util.tree_structure(out_shape)
         # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
@@ -286,7 +286,7 @@ class AutoParallel:
             return dataclasses.replace(plan, microbatches=self.microbatches,
                                        microbatch_groups=self.saved.microbatch_groups,
                                        pipeline_stages=self.stages,
-                                       pipeline_repeats=self.repeats)
+                                       pipeline_repeats=self.repeats, stored=stored)
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled, stored)

@@ -59,6 +59,7 @@ def test_stored_placement_trains_equal_to_one_device_and_moves_no_layer():
     again_state, again_loss = saved(new_state, data)
     follow_state, follow_loss = sharded(new_state, data)
     np.testing.assert_allclose(float(again_loss), float(follow_loss), rtol=1e-6)
+    assert saved.plan(new_state, data).stored == stored
     assert global_relative_error(autopar.unpack(follow_state),
                                  autopar.unpack(again_state)) < 1e-6
 

@@ -24,7 +24,7 @@ from autopar.planning.problem import AutoparWarning, Unit, make_units
 from autopar.planning.solve import exactness, solve
 from autopar.rules.factors import Spec
 from autopar.schedule.storable import Storage, storage
-from autopar.schedule.stored import stored_layers
+from autopar.schedule.stored import reading_stored
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
@@ -134,27 +134,19 @@ class Planning:
 
 
 def traced_stored(fn: Callable, args: Sequence[Any], donated: frozenset[int], platform: str,
-                  graph: OpGraph, reads: Sequence[int] | None = None
-                  ) -> tuple[OpGraph, Storage | None]:
-    """The step traced with its stack reading stored leaves (`reads`: the stack inputs a
-    saved plan stores; by default those `graph`, traced in layer order, allows), and
-    what is stored; a warning names each of the stack's leaves kept in layer order and
-    why. Where nothing can be stored, `graph` and None."""
-    found = storage(graph) if reads is None else None
-    if found is not None:
-        for index, why in found.refused.items():
-            warnings.warn(AutoparWarning(
-                f"keep_placement: the stack's input {index} stays in layer order and moves "
-                f"into the circular placement every step, since the step reads {why}."),
-                stacklevel=2)
-        reads = found.reads
-    if not reads:
+                  graph: OpGraph) -> tuple[OpGraph, Storage | None]:
+    """The step traced with its stack reading the leaves that `graph` (the step traced in
+    layer order) lets be stored, and what is stored; a warning names each of the stack's
+    leaves kept in layer order and why. Where nothing can be stored, `graph` and None."""
+    found = storage(graph)
+    for index, why in found.refused.items():
+        warnings.warn(AutoparWarning(
+            f"keep_placement: the stack's input {index} stays in layer order and moves "
+            f"into the circular placement every step, since the step reads {why}."),
+            stacklevel=2)
+    if not found.reads:
         return graph, None
-    @functools.wraps(fn)  # a new function: jax's trace cache would give the first trace back
-    def stored_step(*a: Any) -> Any:
-        with stored_layers(reads):
-            return fn(*a)
-    graph = trace(stored_step, args, donated, compiler=platform)[0]
+    graph = trace(reading_stored(fn, found.reads), args, donated, compiler=platform)[0]
     return graph, storage(graph)
 
 

@@ -20,10 +20,10 @@ user's own tree (for a checkpoint, for evaluation elsewhere).
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +59,18 @@ _STORED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "autopar_stored_layers", default=frozenset())
 
 
-@contextlib.contextmanager
-def stored_layers(indices: Sequence[int]) -> Iterator[None]:
-    """Trace the pipeline reading per-layer inputs `indices` as stored in placement order."""
-    token = _STORED.set(frozenset(indices))
-    try:
-        yield
-    finally:
-        _STORED.reset(token)
+def reading_stored(fn: Callable, indices: Sequence[int]) -> Callable:
+    """`fn` with its pipeline reading per-layer inputs `indices` as stored in placement
+    order. A new function, with `fn`'s name and signature (the inputs' paths): jax's trace
+    cache, keyed by the function, would give `fn`'s first trace back."""
+    @functools.wraps(fn)
+    def stored_step(*args: Any) -> Any:
+        token = _STORED.set(frozenset(indices))
+        try:
+            return fn(*args)
+        finally:
+            _STORED.reset(token)
+    return stored_step
 
 
 def is_stored(index: int) -> bool:
