@@ -103,3 +103,34 @@ def test_keep_placement_without_rounds_changes_nothing():
                                     microbatches=2, pipeline=2)
     new_state, _ = sharded(state, data)
     assert isinstance(new_state, tuple) and sharded.plan(state, data).stored is None
+
+
+def _stored_paths(fn, *args):
+    from autopar.schedule.storable import storage
+    from autopar.trace.tracer import trace
+    graph = trace(fn, args)[0]
+    found = storage(graph)
+    return sorted(graph.tensors[graph.inputs[k]].path for k in found.inputs), found.refused
+
+
+def test_storable_follows_the_layer_dimension():
+    """The analysis on small steps: the stack's leaf and whatever updates it elementwise are
+    stored; a read that moves the layers out of dimension 0 keeps the group in order."""
+    from autopar.schedule.stored import stack_read
+    w, m = jnp.ones((4, 3)), jnp.zeros((4, 3))
+
+    def update(state):
+        w, m = state
+        g = stack_read(w, 0) * 2.0
+        m = 0.9 * m + g + jnp.zeros((4, 3))  # a value broadcast along the layers joins nothing
+        return (w - 0.1 * m / (jnp.sqrt(jnp.sum(m * m)) + 1.0), m)
+
+    paths, refused = _stored_paths(update, (w, m))
+    assert paths == ["state/0", "state/1"] and not refused
+
+    def moved(state):
+        w, m = update(state)
+        return (w, m + jnp.broadcast_to(w.T[None], (4, 3, 4)).sum(-1))  # layers on dim 2
+
+    paths, refused = _stored_paths(moved, (w, m))
+    assert paths == [] and "transpose" in refused[0], refused

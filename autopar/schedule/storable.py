@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autopar.rules.kinds import ELEMENTWISE, REDUCTIONS, STACK_READ
 from autopar.trace.ir import Op, OpGraph
 
@@ -92,9 +94,10 @@ def storage(graph: OpGraph) -> Storage:
 
     for op in graph.ops:
         _visit(graph, op, groups, along, uniform)
+    made = {t: step for step in graph.program for t in step.outputs if step.eqn is not None}
     for t in along:
-        if graph.tensors[t].const and t not in uniform:
-            groups.order_matters(t, "a constant with a row per layer")
+        if graph.tensors[t].const and t not in uniform and not _same_rows(graph, made, t):
+            groups.order_matters(t, "a constant whose rows differ")
     inputs = {t: k for k, t in enumerate(graph.inputs)}
     for o, t in enumerate(graph.outputs):
         if t not in along:
@@ -123,6 +126,27 @@ def storage(graph: OpGraph) -> Storage:
                    refused=refused)
 
 
+def _same_rows(graph: OpGraph, made: dict, t: int) -> bool:
+    """Whether constant `t` is the same in every layer's row: its value where the trace kept
+    it, else from the step computing it (a broadcast along the layers, elementwise
+    arithmetic of such)."""
+    if t in graph.const_values:
+        value = np.asarray(graph.const_values[t])
+        return bool(value.ndim == 0 or np.all(value == value[:1]))
+    step = made.get(t)
+    if step is None:
+        return False
+    name, params = step.eqn.primitive.name, step.eqn.params
+    length = graph.tensors[t].shape[0]
+    rows = [i for i in step.inputs if graph.tensors[i].shape[:1] == (length,)]
+    if name == "broadcast_in_dim":
+        dims = params["broadcast_dimensions"]
+        if 0 not in dims or graph.tensors[step.inputs[0]].shape[dims.index(0)] == 1:
+            return True
+        return dims[0] == 0 and _same_rows(graph, made, step.inputs[0])
+    return name in _ROWWISE and all(_same_rows(graph, made, i) for i in rows)
+
+
 def _visit(graph: OpGraph, op: Op, groups: _Groups, along: set[int], uniform: set[int]
            ) -> None:
     """Group `op`'s operands and results that share the layer dimension, or mark where it
@@ -148,12 +172,14 @@ def _visit(graph: OpGraph, op: Op, groups: _Groups, along: set[int], uniform: se
         kept = ins[:1]
     elif name == "broadcast_in_dim":
         dims = op.params["broadcast_dimensions"]
-        source = shape(op.inputs[0]) if op.inputs else ()
-        if 0 not in dims or source[dims.index(0)] == 1:
-            uniform.update(outs)
-            return
-        if dims.index(0) == 0 and ins:
+        if ins and dims and dims[0] == 0:  # the operand's layers stay first
+            if ins[0] in uniform:
+                uniform.update(outs)
+                return
             kept = ins[:1]
+        elif not ins and (0 not in dims or shape(op.inputs[0])[dims.index(0)] == 1):
+            uniform.update(outs)  # the same along the layers
+            return
     elif name == "reshape" and ins and outs:
         kept = ins[:1]
     elif name == "transpose" and ins and op.params["permutation"][0] == 0:
