@@ -96,6 +96,21 @@ def test_what_the_step_reads_in_layer_order_stays_there(tmp_path):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
 
 
+def test_stored_placement_in_shares_equals_one_device():
+    """Each stage's microbatch split over 'data' as shares (per-share copies of the stored
+    layers, reduced once after the loop), the layers kept in place."""
+    step, state, data = gpt_case(batch=64)
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(MESH), keep_placement=True,
+                                    donate_argnums=0, microbatches=4, pipeline=2,
+                                    pipeline_repeats=2)
+    new_state, losses = run_steps(sharded, copy_tree(state), data, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert global_relative_error(ref_state, autopar.unpack(new_state)) < 1e-4
+    plan = sharded.plan(new_state, data)
+    assert plan.microbatch_groups == 4 and len(plan.stored.inputs) == 48
+
+
 def test_keep_placement_without_rounds_changes_nothing():
     """GPipe's placement is the layer order: nothing to store, the state comes back plain."""
     step, state, data = mlp_case(Stack(layers=4))
