@@ -7,6 +7,7 @@ import jax
 
 import models
 import optax
+import pytest
 from helpers import check_against_single_device
 from test_pipeline import gpt_case, in_loops
 
@@ -58,35 +59,37 @@ def slow_devices(network_bandwidth: float, slower: float = 1000):
                 dataclasses.replace(network, bandwidth=network_bandwidth)))
 
 
-def test_auto_pipelines_where_the_network_is_slow_and_not_where_it_is_fast():
+@pytest.mark.parametrize("mesh", [{"stage": 4, "data": 2}, {"stage": 8}])
+def test_auto_pipelines_where_the_network_is_slow_and_not_where_it_is_fast(mesh):
     """A GPT of 8 layers at d_model 512 with few tokens (25M parameters, 1 MB of activations
-    per batch) on 4 nodes of 2 devices. By hand: data parallel over the nodes all-reduces
-    ~100 MB of gradients over the network, keeping the stages' layers on their nodes moves
-    only activations (a few MB), and leaving the nodes' work replicated computes 4x. So at
-    1 GB/s the pipeline wins, and at NVLink's speed data parallelism (no bubble) does."""
+    per batch) on 4 nodes of 2 devices, as 4 stages of a node each or 8 stages of a device
+    each. By hand: data parallel over the nodes all-reduces ~100 MB of gradients over the
+    network, keeping the stages' layers on their nodes moves only activations (a few MB),
+    and leaving the nodes' work replicated computes 4x. So at 1 GB/s the pipeline wins, and
+    at NVLink's speed data parallelism (no bubble) does."""
     config = dict(vocab=512, d_model=512, heads=8, layers=8, scan=True)
     _, state, data = models.gpt_abstract(batch=32, seq=16, **config)
     step = models.linen_step(models.GPT(**config), models.token_loss, optax.adamw(1e-3),
                              autopar.value_and_grad)
     params = sum(x.size for x in jax.tree_util.tree_leaves(state[0]))
     assert 4 * params > 90 * MB and 32 * 16 * 512 * 4 < 1.1 * MB  # the hand calculation's sizes
-    mesh = {"stage": 4, "data": 2}
+    stages = mesh["stage"]
     chosen = {}
     for bandwidth in (1e9, 450e9):
         plan = autopar.plan(step, state, data, mesh=mesh, hardware=slow_devices(bandwidth),
                             pipeline="auto", donate_argnums=0)
         tried = plan.search_stats["schedules_tried"]
-        assert tried[0]["stages"] == 1 and any(t["stages"] == 4 for t in tried[1:])
+        assert tried[0]["stages"] == 1 and any(t["stages"] == stages for t in tried[1:])
         best = min(t["total_ms"] for t in tried if "total_ms" in t)
         assert abs(plan.cost["total_s"] * 1e3 - best) < 1e-6  # the fastest one is kept
         chosen[bandwidth] = plan.pipeline_stages
         if plan.pipeline_stages > 1:
-            assert plan.microbatches >= 8 and "pipelined over 4 stages" in plan.summary()
+            assert plan.microbatches >= 8 and f"pipelined over {stages} stages" in plan.summary()
         # the JSON keeps what was weighed, and the summary shows it
         again = autopar.Plan.from_json(plan.to_json()).summary()
         assert "schedules weighed (pipeline='auto'): no pipeline: " in again
-        assert f"4 stages x {tried[1]['microbatches']} microbatches: " in again
-    assert chosen == {1e9: 4, 450e9: 1}, chosen
+        assert f"{stages} stages x {tried[1]['microbatches']} microbatches: " in again
+    assert chosen == {1e9: stages, 450e9: 1}, chosen
 
 
 def test_auto_on_a_mesh_without_a_stage_axis_says_why_it_did_not_pipeline():
