@@ -339,7 +339,7 @@ class AutoParallel:
         stored = made.stored
         placed = place(call, [NamedSharding(made.mesh, to_partition_spec(s))
                               for s in made.decisions.inputs],
-                       stored_inputs(call, stored) if stored else None)
+                       stored_inputs(call, stored) if stored or call.placed else None)
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it

@@ -94,6 +94,10 @@ def test_what_the_step_reads_in_layer_order_stays_there(tmp_path):
     _, loss = sharded(restored, data)
     _, ref_loss = jax.jit(watched)(ref_state, data)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    # a step planned without the placement takes the Placed state in layer order
+    flat = autopar.auto_parallel(watched, mesh=autopar.make_mesh(MESH))
+    _, flat_loss = flat(new_state, data)
+    np.testing.assert_allclose(float(flat_loss), float(ref_loss), rtol=1e-5)
 
 
 def test_stored_placement_in_shares_equals_one_device():

@@ -182,26 +182,23 @@ def unwrapped(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int | str, L
 
 
 def stored_inputs(call: Any, stored: Any) -> list:
-    """The call's flat leaves as the step takes them (`stored`: the plan's Storage): the
-    stored ones of a Placed argument as they came, those of a plain tree (the user's first
-    state, a restored checkpoint) put into placement order."""
+    """The call's flat leaves as the step takes them (`stored`: the plan's Storage, None where
+    it stores nothing): the stored ones of a Placed argument as they came, those of a plain
+    tree (the user's first state, a restored checkpoint) put into placement order; a Placed
+    argument the plan does not store so (a step planned otherwise, an evaluation step) is
+    put back into layer order first."""
     leaves = list(call.leaves)
     start = 0
     for where, tree in zip(call.slots, call.trees):
         end = start + tree.num_leaves
-        mine = tuple(k - start for k in stored.inputs if start <= k < end)
-        layout = Layout(mine, stored.length, stored.stages, stored.repeats)
+        mine = tuple(k - start for k in (stored.inputs if stored else ()) if start <= k < end)
+        layout = Layout(mine, stored.length, stored.stages, stored.repeats) if mine else None
         given = call.placed.get(where)
-        if given is None and mine:
-            leaves[start:end] = reorder(leaves[start:end], layout, inverse=False)
-        elif given is not None and given != layout:
-            what = f"argument {where!r}" if isinstance(where, str) else f"argument {where}"
-            raise AutoparError(
-                f"{what} is an autopar.Placed state of {len(given.leaves)} stored leaves "
-                f"({given.length} layers as {given.stages} stages x {given.repeats} rounds), "
-                f"and this step's plan stores {len(mine)} of its leaves ({layout.length} "
-                f"layers as {layout.stages} x {layout.repeats}). Fix: pass "
-                "autopar.unpack(state): the step puts a plain tree into its placement itself.")
+        if given != layout:
+            if given is not None:
+                leaves[start:end] = reorder(leaves[start:end], given, inverse=True)
+            if layout is not None:
+                leaves[start:end] = reorder(leaves[start:end], layout, inverse=False)
         start = end
     return leaves
 
