@@ -33,8 +33,8 @@ _ORDERLESS = REDUCTIONS
 class Storage:
     """What can be stored in placement: the stack's per-layer inputs read from stored leaves,
     the flat input and output indices of those leaves, their layer count, the schedule's
-    stages and rounds (set by the planning), and for every stack input that cannot be, why
-    (keyed by the input's index, with the paths of leaves it comes from where known)."""
+    stages and rounds (set by the planning), and for every stack input read from the step's
+    inputs that cannot be stored, why (keyed by the input's index, with the leaves' paths)."""
     reads: tuple[int, ...] = ()
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
@@ -116,8 +116,8 @@ def storage(graph: OpGraph) -> Storage:
         members = {t for t in along if groups.find(t) == root}
         if root in groups.ordered:
             leaves = sorted(graph.tensors[t].path for t in members if t in inputs)
-            refused[index] = (f"{', '.join(leaves[:3]) or 'computed in the step'}: "
-                              f"{groups.ordered[root]}")
+            if leaves:  # an input computed in the step (per-layer random keys) has no leaf
+                refused[index] = f"{', '.join(leaves[:3])}: {groups.ordered[root]}"
             continue
         reads.append(index)
         stored |= members
