@@ -304,3 +304,28 @@ def test_depthwise_conv_split_over_channels():
         assert op.in_specs[0][3] == ("model",), "channels stay split through every conv"
     assert "all-gather" not in collective_counts(
         compiled_text(step, state, batch, mesh, annotations=annotations))
+
+
+def test_scatter_add_partial_sums_priced_as_compiled():
+    """A scatter-add whose updates are split over two axes on two dimensions compiles to one
+    all-reduce of the whole result per dimension (never a reduce-scatter); over both axes on
+    one dimension, to one. Predicted bytes equal the compiled program's, and the step equals
+    one device."""
+    def step(table, ids, upd):
+        return table + jnp.zeros_like(table).at[ids].add(upd)
+
+    table, upd = normal(0, (512, 128)), normal(1, (64, 64, 128))
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 512, (64, 64)), jnp.int32)
+    for spec, all_reduce in ((P("data", "model"), 2 * 512 * 128 * 4),
+                             (P(("data", "model")), 512 * 128 * 4)):
+        sharded = autopar.auto_parallel(
+            step, mesh=autopar.make_mesh({"data": 2, "model": 4}), hardware="h100",
+            annotations={"ids": spec, "upd": spec, "table": P()})
+        plan = sharded.plan(table, ids, upd)
+        compiled = sharded.lower(table, ids, upd).compile().as_text()
+        assert collective_counts(compiled) == {"all-reduce": 1 + (len(spec) == 2)}, spec
+        predicted = {k: v for k, v in plan.cost.items()
+                     if k.endswith("_bytes") and k != "peak_memory_bytes" and v}
+        assert predicted == {"all-reduce_bytes": all_reduce}, (spec, predicted)
+        np.testing.assert_allclose(np.asarray(sharded(table, ids, upd)),
+                                   np.asarray(step(table, ids, upd)), rtol=1e-5, atol=1e-5)
