@@ -208,9 +208,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         return x if g == 1 else jnp.broadcast_to(
             jnp.expand_dims(x, lead), (*shape[:lead], g, *shape[lead:]))
 
-    if r > 1:  # marked where the stack reads them: they may be stored in placement (stored.py)
-        xs = [stack_read(x, i) for i, x in enumerate(xs)]
-    layers = [shard(copies(_stage_layers(x, s, r, is_stored(i)), 1), PartitionSpec(STAGE_AXIS))
+    layers = [shard(copies(_stage_layers(x, s, r, i), 1), PartitionSpec(STAGE_AXIS))
               for i, x in enumerate(xs)]
     inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
@@ -326,13 +324,16 @@ def _bubble_cut_backward(valid: Any, grad: Any) -> tuple[Any, None]:
 bubble_cut.defvjp(_bubble_cut_forward, _bubble_cut_backward)
 
 
-def _stage_layers(x: Any, stages: int, repeats: int, stored: bool = False) -> Any:
-    """A per-layer input [L, ...] as each stage holds it: [S, L/S, ...], layers s L/S .. of
-    stage s; with R repeats [S, R, L/(S R), ...], chunk r of stage s the layers of the
-    (r S + s)-th of the S R consecutive chunks (the circular schedule's placement). `stored`:
-    `x` is stored in that placement already (stored.placement_order)."""
+def _stage_layers(x: Any, stages: int, repeats: int, index: int) -> Any:
+    """The stack's per-layer input `index`, [L, ...], as each stage holds it: [S, L/S, ...],
+    layers s L/S .. of stage s; with R repeats [S, R, L/(S R), ...], chunk r of stage s the
+    layers of the (r S + s)-th of the S R consecutive chunks (the circular schedule's
+    placement). There its read is marked, for the planning to find whether it may be stored
+    in that placement, and where it is (stored.py) it is read as stored."""
     length, rest = x.shape[0], x.shape[1:]
-    if repeats == 1 or stored:
+    if repeats > 1:
+        x = stack_read(x, index)
+    if repeats == 1 or is_stored(index):
         return jnp.reshape(x, (stages, *([repeats] if repeats > 1 else []),
                                length // (stages * repeats), *rest))
     chunks = jnp.reshape(x, (repeats, stages, length // (stages * repeats), *rest))
