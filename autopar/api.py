@@ -267,8 +267,7 @@ class AutoParallel:
         graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
                                           compiler=self.platform)
         if stored is not None:
-            found = dataclasses.replace(storage(graph), stages=self.stages,
-                                        repeats=self.repeats)
+            found = storage(graph, self.stages, self.repeats)
             if found != stored:
                 raise AutoparError(
                     f"the saved plan keeps {len(stored.inputs)} leaves of the stack in the "

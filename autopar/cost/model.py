@@ -184,10 +184,9 @@ def partial_collectives(op: Op, strategy: Strategy, tensor: Tensor, spec: Spec,
     result is split; never a reduce-scatter."""
     scatter, reduce = partial_split(strategy, spec)
     if op.primitive not in SCATTER_ADD or len(strategy.in_specs) < 3:
-        out = [("reduce-scatter", scatter, shard_bytes(tensor, spec, mesh))] if scatter else []
-        if reduce:
-            out.append(("all-reduce", reduce, shard_bytes(tensor, spec, mesh)))
-        return out
+        held = shard_bytes(tensor, spec, mesh)
+        return [(kind, axes, held) for kind, axes in (("reduce-scatter", scatter),
+                                                      ("all-reduce", reduce)) if axes]
     axes = scatter + reduce
     whole = shard_bytes(tensor, tuple(tuple(a for a in d if a not in axes) for d in spec), mesh)
     groups = [[a for a in dim if a in axes] for dim in strategy.in_specs[2]]

@@ -76,9 +76,8 @@ class Planning:
         graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
         stored = None
         if keep_placement and pipeline_repeats > 1:
-            graph, stored = traced_stored(fn, args, donated, platform, graph)
-            stored = stored and dataclasses.replace(stored, stages=pipeline_stages,
-                                                    repeats=pipeline_repeats)
+            graph, stored = traced_stored(fn, args, donated, platform, graph,
+                                          pipeline_stages, pipeline_repeats)
         return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
                    annotations, buffer_model(platform), time.perf_counter() - t0,
                    microbatches=microbatches, microbatch_groups=microbatch_groups,
@@ -134,11 +133,12 @@ class Planning:
 
 
 def traced_stored(fn: Callable, args: Sequence[Any], donated: frozenset[int], platform: str,
-                  graph: OpGraph) -> tuple[OpGraph, Storage | None]:
+                  graph: OpGraph, stages: int, repeats: int
+                  ) -> tuple[OpGraph, Storage | None]:
     """The step traced with its stack reading the leaves that `graph` (the step traced in
     layer order) lets be stored, and what is stored; a warning names each of the stack's
     leaves kept in layer order and why. Where nothing can be stored, `graph` and None."""
-    found = storage(graph)
+    found = storage(graph, stages, repeats)
     for index, why in found.refused.items():
         warnings.warn(AutoparWarning(
             f"keep_placement: the stack's input {index} stays in layer order and moves "
@@ -146,8 +146,7 @@ def traced_stored(fn: Callable, args: Sequence[Any], donated: frozenset[int], pl
             stacklevel=2)
     if not found.reads:
         return graph, None
-    graph = trace(reading_stored(fn, found.reads), args, donated, compiler=platform)[0]
-    return graph, storage(graph)
+    return trace(reading_stored(fn, found.reads), args, donated, compiler=platform)[0], found
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,

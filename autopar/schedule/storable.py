@@ -25,8 +25,6 @@ from autopar.trace.ir import Op, OpGraph
 # Elementwise, and the same in any order of rows: a loop carry is not (its rows are its
 # iterations' values).
 _ROWWISE = ELEMENTWISE - {"scan_carry", "scan_carry_out", STACK_READ}
-# Commutative reductions: over the layer dimension, the same in any order.
-_ORDERLESS = REDUCTIONS
 
 
 @dataclass(frozen=True)
@@ -81,9 +79,10 @@ class _Groups:
         self.ordered.setdefault(self.find(t), why)
 
 
-def storage(graph: OpGraph) -> Storage:
-    """The leaves of `graph` (traced with the stack read in layer order) that can be stored
-    in placement, and why the others cannot."""
+def storage(graph: OpGraph, stages: int = 1, repeats: int = 1) -> Storage:
+    """The leaves of `graph` that can be stored in the placement of `stages` x `repeats`,
+    and why the others cannot (the same whether the stack reads them in layer order or
+    stored: the analysis looks only outside the stack)."""
     marks = [op for op in graph.ops if op.primitive == STACK_READ]
     if not marks:
         return Storage()
@@ -123,7 +122,7 @@ def storage(graph: OpGraph) -> Storage:
         stored |= members
     return Storage(tuple(reads), tuple(sorted(inputs[t] for t in stored if t in inputs)),
                    tuple(o for o, t in enumerate(graph.outputs) if t in stored), length,
-                   refused=refused)
+                   stages, repeats, refused)
 
 
 def _same_rows(graph: OpGraph, made: dict, t: int) -> bool:
@@ -166,9 +165,9 @@ def _visit(graph: OpGraph, op: Op, groups: _Groups, along: set[int], uniform: se
             uniform.update(outs)
             return
         kept = varying
-    elif name in _ORDERLESS and ins:
+    elif name in REDUCTIONS and ins:  # commutative: over the layers, the same in any order
         if 0 in op.params.get("axes", ()):
-            return  # a sum over the layers: the same in any order
+            return
         kept = ins[:1]
     elif name == "broadcast_in_dim":
         dims = op.params["broadcast_dimensions"]
