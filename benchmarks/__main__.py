@@ -9,7 +9,9 @@ quality at depth and scale, first call against jax.jit), `memory` (plans for shr
 budgets, predicted against compiled memory), `accumulation` (microbatched steps: the
 gradient reduced once or per microbatch, predicted against compiled collectives and memory)
 and `pipeline` (a GPT's layer stack over 1 to 8 pipeline stages, predicted against compiled;
-what pipeline="auto" keeps as the network between nodes slows).
+what pipeline="auto" keeps as the network between nodes slows); `device`, run by default only
+where jax's first device is an accelerator, measures the realistic models' steps on one chip
+beside their judged and estimated times.
 Results go to benchmarks/results/<suite>.md and .json, with the machine and versions, replacing
 the suite's previous results (quality's with --memory-matched add the memory-matched table).
 Timings are of this machine; compare them as ratios within one run.
@@ -28,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
-from benchmarks import (accumulation, fidelity, memory, pipeline, planning,  # noqa: E402
-                        propagation, quality, quality_report)
+from benchmarks import (accumulation, device, fidelity, memory, pipeline,  # noqa: E402
+                        planning, propagation, quality, quality_report)
 from benchmarks.zoo import ZOO  # noqa: E402
 
 TITLES = {"quality": "Plan quality against expert shardings, judged from compiled programs",
@@ -37,7 +39,10 @@ TITLES = {"quality": "Plan quality against expert shardings, judged from compile
           "propagation": "Sharding propagation benchmark", "planning": "Planning benchmark",
           "memory": "Memory-aware planning benchmark",
           "accumulation": "Gradient accumulation: reduced once, predicted against compiled",
-          "pipeline": "Pipeline parallelism: stages predicted against compiled"}
+          "pipeline": "Pipeline parallelism: stages predicted against compiled",
+          "device": "One real accelerator: measured step times beside the judged ones"}
+# Suites run by default; `device` needs an accelerator and runs where one is at hand.
+DEFAULT_SUITES = [s for s in TITLES if s != "device" or jax.devices()[0].platform != "cpu"]
 
 
 def machine() -> dict[str, str]:
@@ -77,7 +82,7 @@ def main() -> None:
                         help="skip dynamic_programming above this depth")
     parser.add_argument("--hardware", default="h100", help="profile the plans are costed on")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--suites", nargs="+", default=list(TITLES), choices=list(TITLES))
+    parser.add_argument("--suites", nargs="+", default=DEFAULT_SUITES, choices=list(TITLES))
     parser.add_argument("--models", nargs="+", default=None,
                         help=f"quality suite: models of {list(ZOO)} (default all); fidelity "
                         f"suite: of {list(fidelity.MODELS)} (default all)")
@@ -134,6 +139,11 @@ def main() -> None:
             print("accumulation benchmark", flush=True)
             result = accumulation.run(log=log)
             table = accumulation.markdown(result)
+        elif suite == "device":
+            print(f"device benchmark on {jax.devices()[0].device_kind}", flush=True)
+            result = device.run(args.models and _known(args.models, device.REALISTIC),
+                                args.hardware, log=log)
+            table = device.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
             result = {**pipeline.run(log=log), **pipeline.choice(log=log)}
