@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.trace.ir import OpGraph, Step
+from autopar.trace.tracer import scan_counts
 
 def pinnable_loop(graph: OpGraph, step: Step) -> bool:
     """Whether `step` is a scan whose body the tracer recorded, free of recomputations, and
@@ -42,7 +43,7 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
     `autopar.lower._Lowering` of the program."""
     graph, spec = lowering.graph, lowering.produced.get
     steps, ids, outs = graph.loop_bodies[step.outputs[0]]
-    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    (nc, ncarry), length = scan_counts(p), p["length"]
     consts, init, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     carry_ids, x_ids = ids[nc:nc + ncarry], ids[nc + ncarry:]
     stacked = step.outputs[ncarry:]

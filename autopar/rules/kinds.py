@@ -11,11 +11,12 @@ import math
 from typing import Sequence
 
 # Elementwise arithmetic that XLA's fusion deems cheap (InstructionFusion::IsExpensive is
-# false): a fused result of one of these can be recomputed inside its reader.
+# false): a fused result of one of these can be recomputed inside its reader. one_minus_square
+# (1 - x*x, tanh's derivative since jax 0.11.2) lowers to a multiply and a subtract.
 CHEAP_ELEMENTWISE = frozenset({
     "abs", "add", "add_any", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p",
     "eq", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lt", "max", "min",
-    "mul", "ne", "neg", "not", "or", "population_count", "real", "reduce_precision", "round",
+    "mul", "ne", "neg", "not", "one_minus_square", "or", "population_count", "real", "reduce_precision", "round",
     "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
     "stop_gradient", "sub", "xor",
 })

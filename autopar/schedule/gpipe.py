@@ -45,6 +45,7 @@ from autopar.schedule.rotate import rotate
 from autopar.schedule.separable import Separability, bind_equation, eqn_source
 from autopar.schedule.stored import is_stored, stack_read
 from autopar.trace.shard import shard
+from autopar.trace.tracer import scan_counts
 
 STAGE_AXIS = "stage"
 
@@ -154,16 +155,16 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
         if eqn.primitive.name != "scan":
             continue
         p = eqn.params
-        length, ncarry = p["length"], p["num_carry"]
+        length, (nc, ncarry) = p["length"], scan_counts(p)
         kinds = analysis.loops.get(id(eqn), (None,))[0]
         where = f"the loop of {length} at {eqn_source(eqn)}"
         if kinds is None:
             why.append(f"{where} mixes examples")
         elif length % chunks:
             why.append(f"{where}: {what} do not divide {length} layers")
-        elif any(k.batch is None for k in kinds[p["num_consts"]:p["num_consts"] + ncarry]):
+        elif any(k.batch is None for k in kinds[nc:nc + ncarry]):
             why.append(f"{where} carries a value without the batch dimension")
-        elif any(k.batch is not None for k in kinds[p["num_consts"] + ncarry:]):
+        elif any(k.batch is not None for k in kinds[nc + ncarry:]):
             why.append(f"{where} loops over per-example values")
         elif any(id(v) in used_later for v in eqn.outvars[ncarry:]):
             why.append(f"{where} has per-layer outputs the loss uses")
@@ -193,7 +194,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     transpose adds the shares once, after the loop: stage-local data parallelism with the
     gradient reduced once per step, not once per tick."""
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = scan_counts(p)
     s, m, g, r = stages, microbatches, groups, repeats
     body = jaxpr_as_fun(micro.params["jaxpr"])
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]

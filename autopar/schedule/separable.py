@@ -27,7 +27,7 @@ from jax.extend.core import Literal
 
 from autopar.errors import AutoparError
 from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, REDUCTIONS
-from autopar.trace.tracer import CALL_PRIMITIVES
+from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
 
 RANDOM_DRAWS = frozenset({"random_bits", "rng_bit_generator", "rng_uniform"})
 CREATING = RANDOM_DRAWS | {"iota", "broadcast_in_dim"}
@@ -129,7 +129,7 @@ class Separability:
         iteration's per-example values stay per-example, along the same dimension, and its
         body needs nothing done at the full batch."""
         p = ef.params
-        nc, ncarry = p["num_consts"], p["num_carry"]
+        nc, ncarry = scan_counts(p)
         body_f, consts_f = _open(p["jaxpr"])
         body_m, consts_m = _open(em.params["jaxpr"])
         xs = kinds[nc + ncarry:]

@@ -193,7 +193,7 @@ class _Builder:
         steps kept apart (OpGraph.loop_bodies)."""
         p = eqn.params
         body, body_consts = _open(p["jaxpr"])
-        n_const, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        (n_const, n_carry), length = scan_counts(p), int(p["length"])
         consts = inputs[:n_const]
         carries = inputs[n_const:n_const + n_carry]
         xs = inputs[n_const + n_carry:]
@@ -240,6 +240,16 @@ class _Builder:
             self.loop_bodies[outs[0]] = (tuple(body_steps), tuple(body_in), tuple(body_outs))
             sink.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires)))
         return outs
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(constants, carries) among a scan equation's operands, the stacked inputs after them.
+    jax 0.10 names the counts (num_consts, num_carry); jax 0.11 packs the operands' grouping
+    in a FlatTree (ft_in: constants, carries, stacked inputs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
 
 
 def _open(closed_or_open: Any) -> tuple[Any, list]:
