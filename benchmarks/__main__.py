@@ -101,6 +101,8 @@ def main() -> None:
                         help="fidelity suite: batch and width of every model times this")
     parser.add_argument("--repeats", type=int, default=3,
                         help="quality and fidelity suites: timed steps of the small models")
+    parser.add_argument("--hlo-dir", default=None,
+                        help="device suite: write each program compiled for the chip here")
     args = parser.parse_args()
     if args.quick:
         args.depths, args.d_model, args.seq, args.batch = [2, 4], 128, 32, 64
@@ -142,7 +144,7 @@ def main() -> None:
         elif suite == "device":
             print(f"device benchmark on {jax.devices()[0].device_kind}", flush=True)
             result = device.run(args.models and _known(args.models, device.REALISTIC),
-                                args.hardware, log=log)
+                                args.hardware, log=log, hlo_dir=args.hlo_dir)
             table = device.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)

@@ -771,7 +771,7 @@ def linear_algebra():
 def special_random_host():
     """Special functions, gamma variates, raw rng_bit_generator bits, approximate top-k, a
     debug print and a sharding constraint written into the step."""
-    mesh = jax.sharding.AbstractMesh((8,), ("data",))
+    mesh = jax.sharding.AbstractMesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
     def loss(p, batch):
         h = jnp.tanh(batch["x"] @ p["w1"])

@@ -213,8 +213,9 @@ def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
     assert 0.85 <= ratio, ratio
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: XLA CPU reuses buffers the walk holds apart "
-                   "(226 KB here)")
+@pytest.mark.xfail(jax.__version_info__ < (0, 11), strict=True,
+                   reason="known gap: jax 0.10's XLA CPU reuses buffers the walk holds apart "
+                   "(226 KB here); jax 0.11.2's compiles this ResNet within 15% of the walk")
 def test_estimate_of_the_resnets_data_parallel_plan_is_within_15_percent():
     """The same ResNet's plan, since ties go to the leaner plan (the image batch split, as in
     data parallelism), reads 1.1504 of XLA's figure, 226 KB over, as the plan keeping the

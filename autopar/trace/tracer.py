@@ -29,12 +29,13 @@ from autopar.trace.ir import Op, OpGraph, Step, Tensor
 # optax's losses are custom_jvp), custom_vmap_call, linear_call, remat_opt (custom_vjp with
 # optimize_remat) and remat2 (jax.checkpoint, nn.remat, nnx.remat); named_call and named_scope
 # are only name stack. pjit, core_call, custom_vjp_call_jaxpr, checkpoint and remat are the
-# names older JAX gave these.
+# names older JAX gave these; jax 0.11 names closed_call eval_jaxpr.
 CALL_PRIMITIVES = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "call": "call_jaxpr",
     "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_vmap_call": "call", "linear_call": "callee",
     "remat_opt": "fwd_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "eval_jaxpr": "call_jaxpr",  # jax 0.11's closed_call (and custom rules' calls)
 }
 
 
