@@ -27,7 +27,7 @@ from jax.sharding import SingleDeviceSharding
 
 import autopar
 from autopar.cost.judge import evaluate
-from benchmarks.zoo import REALISTIC
+from benchmarks.zoo import REALISTIC, Case
 
 SHARES = (1, 8)  # the full batch, and one device's share under 8-way data parallelism
 
@@ -79,9 +79,9 @@ def on_host(tree: Any) -> Any:
                                                                   sharding=cpu), tree)
 
 
-def row(name: str, parts: int, profile: str, repeats: int,
-        hlo_dir: str | None = None) -> dict[str, Any]:
-    step, state_shape, batch_full = REALISTIC[name].setup()
+def row(name: str, parts: int, profile: str, repeats: int, hlo_dir: str | None = None,
+        zoo: dict[str, Case] = REALISTIC) -> dict[str, Any]:
+    step, state_shape, batch_full = zoo[name].setup()
     batch_shape = share(batch_full, parts)
     mesh = autopar.make_mesh({"data": 1})
     out: dict[str, Any] = {"model": name, "batch_share": f"1/{parts}" if parts > 1 else "full"}
@@ -118,12 +118,14 @@ def row(name: str, parts: int, profile: str, repeats: int,
 
 
 def run(models: list[str] | None = None, profile: str = "h100", repeats: int = 10,
-        log: Callable[[str], None] = print, hlo_dir: str | None = None) -> dict[str, Any]:
+        log: Callable[[str], None] = print, hlo_dir: str | None = None,
+        zoo: dict[str, Case] = REALISTIC) -> dict[str, Any]:
     rows = []
-    for name in models or list(REALISTIC):
+    models = models or list(zoo)
+    for name in models:
         for parts in SHARES:
             try:
-                r = row(name, parts, profile, repeats, hlo_dir)
+                r = row(name, parts, profile, repeats, hlo_dir, zoo)
             except Exception as e:  # noqa: BLE001 - one model's failure is a result too
                 r = {"model": name, "batch_share": f"1/{parts}" if parts > 1 else "full",
                      "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -138,7 +140,7 @@ def run(models: list[str] | None = None, profile: str = "h100", repeats: int = 1
             rows.append(r)
     return {"device": rows, "profile": profile,
             "chip": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
-            "models": {n: REALISTIC[n].about for n in models or list(REALISTIC)}}
+            "models": {n: zoo[n].about for n in models}}
 
 
 def _ratio(a: float, b: float) -> str:

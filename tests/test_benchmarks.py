@@ -139,3 +139,20 @@ def test_hand_written_gpipe_equals_one_device():
     expert = pipeline_expert.gpipe_jit(config, 2, 4, mesh, state, optax.adamw(1e-3))
     (_, loss), (_, expected) = expert(copy_tree(state), data), jax.jit(step)(state, data)
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
+
+
+def test_device_suite_smoke():
+    """On the CPU the 'chip' is the host: its program and the host's are one program."""
+    import models
+    from benchmarks import device
+    from benchmarks.zoo import Case
+    tiny = {"tiny-mlp": Case(lambda: models.mlp_setup(batch=16, features=8, hidden=16, out=8),
+                             "mlp", False, "tiny MLP")}
+    result = device.run(repeats=1, log=lambda line: None, zoo=tiny)
+    rows = result["device"]
+    assert [r["batch_share"] for r in rows] == ["full", "1/8"]
+    for r in rows:
+        assert "error" not in r and "estimate_error" not in r, r
+        assert r["measured_ms"] > 0 and r["host_flops"] == r["chip_flops"] > 0
+    assert rows[1]["chip_flops"] < rows[0]["chip_flops"]  # an eighth of the batch
+    assert "| tiny-mlp | 1/8 |" in device.markdown(result)

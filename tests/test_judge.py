@@ -1,5 +1,7 @@
 """The judge (autopar.evaluate) on small hand-checked programs, and per-axis links."""
 import dataclasses
+import gzip
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import autopar
 from autopar.cost.hardware import Hardware, LinkLevel, axis_links, group_link
 from autopar.cost.hlo import collectives, compiled_memory_bytes, device_groups
+from autopar.cost.xla.gpu import library_flops
 from autopar.mesh import MeshShape
 
 # Two levels: the 4 devices of a "node" on fast links, the network between nodes 100x slower.
@@ -18,6 +21,7 @@ HW = Hardware("two-level", flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e1
               link_latency=1e-6, memory_bytes=2**30,
               levels=(LinkLevel("node", 4, 1e10, 1e-6), LinkLevel("network", 0, 1e8, 1e-5)))
 MESH = {"data": 2, "model": 4}
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def _compile(fn, *shapes_specs, mesh):
@@ -223,3 +227,34 @@ def test_a_conv_net_at_a_data_parallel_experts_memory_is_that_program():
     saved = autopar.Plan.from_json(plan.to_json())
     again = autopar.auto_parallel(step, mesh=mesh, plan=saved, donate_argnums=0)
     assert compiled_memory_bytes(again.lower(state, batch).compile()) <= limit
+
+
+# Lines of XLA GPU's optimised HLO (jax 0.11.2, H200): a cuBLAS matmul and a cuDNN
+# backward-filter convolution, with the definitions of their operands.
+GPU_CALLS = """
+  %fusion.1401 = f32[2048,1024]{1,0} fusion(%p.1), kind=kLoop, calls=%fused_computation.1
+  %wrapped_concatenate = f32[1024,3072]{1,0} fusion(%p.2, %p.3, %p.4), kind=kLoop, calls=%c.2
+  %custom-call.38 = (f32[2048,3072]{1,0}, s8[33554432]{0}) custom-call(%fusion.1401, %wrapped_concatenate), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]},"epilogue":"DEFAULT"}}
+  %loop_maximum_fusion.8 = f32[4,7,7,512]{3,2,1,0} fusion(%p.5, %p.6), kind=kLoop, calls=%c.3
+  %get-tuple-element.597 = f32[4,7,7,2048]{3,2,1,0} get-tuple-element(%input_add_reduce_fusion.4), index=0
+  %cudnn-conv-bw-filter.31 = (f32[2048,1,1,512]{3,2,1,0}, u8[0]{0}) custom-call(%loop_maximum_fusion.8, %get-tuple-element.597), window={size=1x1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter", backend_config={}
+"""
+
+
+def test_the_flops_xla_gpu_hands_to_cublas_and_cudnn_are_counted():
+    """2 x M x N x K for the matmul; for the 1x1 convolution's filter gradient, its forward
+    output (4x7x7x2048) times the 512 input features, twice."""
+    matmul = 2 * 2048 * 3072 * 1024
+    convolution = 2 * (4 * 7 * 7 * 2048) * 512
+    assert library_flops(GPU_CALLS) == matmul + convolution
+    assert library_flops(GPU_CALLS.replace("__cu", "__cpu_")) == 0.0  # other custom calls
+
+
+def test_a_gpu_programs_flops_equal_the_same_step_compiled_for_the_cpu():
+    """The MoE of the quality suite at one device's batch share, compiled by XLA GPU (jax
+    0.11.2, H200; benchmarks/results/device.md): its cost_analysis counted 17.4 GFLOP, the same
+    step compiled for the CPU 150.0. With the cuBLAS calls read from the HLO, the two agree."""
+    text = gzip.decompress((DATA / "moe_share_xla_gpu.hlo.gz").read_bytes()).decode()
+    cost_analysis_flops, cpu_program_flops = 17437790208.0, 150023798784.0
+    assert (cost_analysis_flops + library_flops(text)) / cpu_program_flops == pytest.approx(
+        1.0, abs=1e-3)

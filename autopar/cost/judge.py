@@ -7,6 +7,9 @@ sits on (its replica groups mapped back to mesh axes), and the memory `memory_an
 reports. It shares the hardware profile and the collective formulas with the planner, and
 nothing of the planner's per-operator estimates, so it can check them.
 
+On GPU the flops of the matrix products and convolutions XLA hands to cuBLAS and cuDNN are read
+from the HLO (autopar.cost.xla.gpu), since `cost_analysis` counts none for them.
+
 What it does not see: XLA's `cost_analysis` counts a loop's body once (collectives are counted
 per iteration here); collectives and compute are taken not to overlap, as the planner takes
 them; and the figures are those of the platform the program was compiled for (simulated CPU
@@ -22,6 +25,7 @@ import numpy as np
 from autopar.cost.hardware import Hardware, get_profile, group_link
 from autopar.cost.hlo import collectives, compiled_memory_bytes
 from autopar.cost.model import collective_time
+from autopar.cost.xla.gpu import library_flops
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape, mesh_shape
 
@@ -110,8 +114,10 @@ def evaluate(compiled: Any, mesh: Any, hardware: str | Hardware | None = None) -
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    text = compiled.as_text()
+    flops += library_flops(text)  # XLA GPU's cost analysis leaves cuBLAS and cuDNN calls out
     judged = []
-    for c in collectives(compiled.as_text()):
+    for c in collectives(text):
         axes, n = group_axes(c.groups, shape)
         if c.kind == "collective-permute":
             n = 2 if axes else 1  # a pair: one hop on its link
