@@ -112,9 +112,8 @@ def markdown(result: dict[str, Any]) -> str:
              "h100. Collectives: result bytes per device per step (inside loops: the part run "
              "more than once, and its kinds); permutes: collective-permutes run inside loops "
              "(count) and their bytes; judged collective ms: the compiled program's "
-             "collectives on h100, every loop trip counted. Judged step ms of looped programs "
-             "count a loop body's flops once (XLA's cost_analysis), so they are not comparable "
-             "across rows.", "",
+             "collectives on h100, every loop trip counted (as are the flops and bytes of the "
+             "judged step ms).", "",
              "Shares: each microbatch computed as so many shares, one per device group along "
              "the batch's other axes, the gradient reduced once after the loop (1: none). "
              "R: rounds each microbatch makes through the stages (the circular schedule, "
@@ -228,7 +227,7 @@ def choice_markdown(result: dict[str, Any]) -> str:
              "kept one in bold. For the kept plan and the flat one (no pipeline, one batch), "
              "compiled for 8 simulated devices (XLA CPU): collective MiB per step, predicted / "
              "compiled, and the compiled collectives judged on the same profile (every loop "
-             "trip counted; a looped program's compute is not comparable, as above).", "",
+             "trip counted).", "",
              "| network GB/s | schedules (S x M: estimated ms) | kept | planning s | "
              "kept: collectives predicted / compiled MiB | flat: predicted / compiled MiB | "
              "judged collective ms kept / flat | memory MiB kept / flat |",

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import autopar
 from autopar.cost.hardware import Hardware, LinkLevel, axis_links, group_link
 from autopar.cost.hlo import collectives, compiled_memory_bytes, device_groups
-from autopar.cost.xla.gpu import library_flops
+from autopar.cost.xla.gpu import library_work
 from autopar.mesh import MeshShape
 
 # Two levels: the 4 devices of a "node" on fast links, the network between nodes 100x slower.
@@ -246,8 +246,11 @@ def test_the_flops_xla_gpu_hands_to_cublas_and_cudnn_are_counted():
     output (4x7x7x2048) times the 512 input features, twice."""
     matmul = 2 * 2048 * 3072 * 1024
     convolution = 2 * (4 * 7 * 7 * 2048) * 512
-    assert library_flops(GPU_CALLS) == matmul + convolution
-    assert library_flops(GPU_CALLS.replace("__cu", "__cpu_")) == 0.0  # other custom calls
+    # operands read and result written, not the calls' scratch space (s8 and u8 results)
+    moved = 4 * (2048 * 1024 + 1024 * 3072 + 2048 * 3072) + 4 * (
+        4 * 7 * 7 * 512 + 4 * 7 * 7 * 2048 + 2048 * 512)
+    assert library_work(GPU_CALLS) == (matmul + convolution, moved)
+    assert library_work(GPU_CALLS.replace("__cu", "__cpu_")) == (0.0, 0.0)  # other calls
 
 
 def test_a_gpu_programs_flops_equal_the_same_step_compiled_for_the_cpu():
@@ -256,5 +259,29 @@ def test_a_gpu_programs_flops_equal_the_same_step_compiled_for_the_cpu():
     step compiled for the CPU 150.0. With the cuBLAS calls read from the HLO, the two agree."""
     text = gzip.decompress((DATA / "moe_share_xla_gpu.hlo.gz").read_bytes()).decode()
     cost_analysis_flops, cpu_program_flops = 17437790208.0, 150023798784.0
-    assert (cost_analysis_flops + library_flops(text)) / cpu_program_flops == pytest.approx(
+    assert (cost_analysis_flops + library_work(text)[0]) / cpu_program_flops == pytest.approx(
         1.0, abs=1e-3)
+
+
+def test_a_loops_later_trips_are_judged_as_its_first():
+    """cost_analysis counts a while loop's body once; the judge adds the other trips, read from
+    the HLO, so four layers scanned cost what four layers unrolled cost (the flops exactly,
+    forward; the backward's loop does a little more elementwise work than the unrolled)."""
+    def scanned(w, x):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()
+
+    def unrolled(w, x):
+        for i in range(4):
+            x = jnp.tanh(x @ w[i])
+        return x.sum()
+
+    args = (jax.ShapeDtypeStruct((4, 256, 256), jnp.float32),
+            jax.ShapeDtypeStruct((64, 256), jnp.float32))
+    one = {"data": 1}
+    for transform, tolerance in ((lambda f: f, 1e-6), (jax.grad, 0.1)):
+        loop, flat = (jax.jit(transform(f)).lower(*args).compile() for f in (scanned, unrolled))
+        judged = autopar.evaluate(loop, one, "h100")
+        assert judged.flops == pytest.approx(autopar.evaluate(flat, one, "h100").flops,
+                                             rel=tolerance)
+        assert judged.flops > 3.5 * loop.cost_analysis()["flops"]  # the body counted 4 times
+        assert judged.bytes_accessed > loop.cost_analysis()["bytes accessed"]

@@ -100,7 +100,7 @@ def device_groups(attributes: str) -> tuple[tuple[int, ...], ...] | None:
     return None
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     """The lines of each computation, and the entry's name (text without headers: one entry)."""
     bodies: dict[str, list[str]] = {}
     entry, current = "", None
@@ -118,7 +118,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return bodies, entry or next(reversed(bodies))
 
 
-def _executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
+def executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How often each computation runs per step: callers' counts times loop trip counts."""
     calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
     for name, lines in bodies.items():
@@ -143,8 +143,8 @@ def _executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
 
 def collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective instruction of `hlo_text` (optimised HLO, `compiled.as_text()`)."""
-    bodies, entry = _computations(hlo_text)
-    counts = _executions(bodies, entry)
+    bodies, entry = computations(hlo_text)
+    counts = executions(bodies, entry)
     out = []
     for name, lines in bodies.items():
         for line in lines:

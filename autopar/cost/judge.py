@@ -7,13 +7,15 @@ sits on (its replica groups mapped back to mesh axes), and the memory `memory_an
 reports. It shares the hardware profile and the collective formulas with the planner, and
 nothing of the planner's per-operator estimates, so it can check them.
 
-On GPU the flops of the matrix products and convolutions XLA hands to cuBLAS and cuDNN are read
-from the HLO (autopar.cost.xla.gpu), since `cost_analysis` counts none for them.
+Two things `cost_analysis` leaves out are read from the optimised HLO: the flops and bytes of
+the matrix products and convolutions XLA GPU hands to cuBLAS and cuDNN (autopar.cost.xla.gpu),
+and every trip of a loop after the first (autopar.cost.loop_work; it counts a body once).
+Collectives are counted per trip too.
 
-What it does not see: XLA's `cost_analysis` counts a loop's body once (collectives are counted
-per iteration here); collectives and compute are taken not to overlap, as the planner takes
-them; and the figures are those of the platform the program was compiled for (simulated CPU
-devices compile through XLA's CPU pipeline, whose fusion and layout differ from GPU and TPU).
+What it does not see: collectives and compute are taken not to overlap, as the planner takes
+them; kernel launches (a step of many small kernels runs slower than its roofline); and the
+figures are those of the platform the program was compiled for (simulated CPU devices compile
+through XLA's CPU pipeline, whose fusion and layout differ from GPU and TPU).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import numpy as np
 from autopar.cost.hardware import Hardware, get_profile, group_link
 from autopar.cost.hlo import collectives, compiled_memory_bytes
 from autopar.cost.model import collective_time
-from autopar.cost.xla.gpu import library_flops
+from autopar.cost.loop_work import extra_trips_work
+from autopar.cost.xla.gpu import library_work
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape, mesh_shape
 
@@ -115,7 +118,9 @@ def evaluate(compiled: Any, mesh: Any, hardware: str | Hardware | None = None) -
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     text = compiled.as_text()
-    flops += library_flops(text)  # XLA GPU's cost analysis leaves cuBLAS and cuDNN calls out
+    # What cost_analysis leaves out: XLA GPU's cuBLAS and cuDNN calls, a loop's later trips.
+    for more_flops, more_bytes in (library_work(text), extra_trips_work(text)):
+        flops, accessed = flops + more_flops, accessed + more_bytes
     judged = []
     for c in collectives(text):
         axes, n = group_axes(c.groups, shape)
