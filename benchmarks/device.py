@@ -154,8 +154,8 @@ def markdown(result: dict[str, Any]) -> str:
              "(the quality suite's judge reads the latter). Estimated: autopar's plan on a "
              "one-device mesh. Ratios are over the measured time / the chip's compiled memory.",
              "", "| model | batch | measured ms | achieved TFLOP/s (host program's flops) | "
-             "judged ms: chip program (/ measured) | judged ms: host program (/ measured) | estimated ms (/ measured) | "
-             "compiled memory MiB | estimated memory (/ compiled) | host program flops / chip's |",
+             "judged ms: chip program (/ measured) | judged ms: host program (/ measured) | "
+             "estimated ms (/ measured) | compiled memory MiB | estimated memory (/ compiled) | host program flops / chip's |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["device"]:
         if "error" in r:

@@ -21,6 +21,11 @@ _INSTRUCTION = re.compile(
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\((?P<rest>.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_DEFINITION = re.compile(
+    r"^\s*(?P<root>ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*"
+    r"(?P<shape>\([^)]*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
+_OPERAND = re.compile(r"%(?P<name>[\w.\-]+)\s*$")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
           "c128": 16}
@@ -58,6 +63,26 @@ def array_bytes(shape: str) -> list[int]:
             n *= int(d)
         sizes.append(n * _BYTES.get(dtype, 4))
     return sizes
+
+
+def definitions(lines: list[str]) -> list[dict[str, str]]:
+    """The instructions among HLO text lines: root (set for a computation's result), name,
+    shape, op, args (operand text), rest."""
+    return [m.groupdict() for line in lines if (m := _DEFINITION.match(line))]
+
+
+def array_dims(shape: str) -> list[int]:
+    """The first array's dimensions in an HLO shape (a tuple's first element)."""
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def operand_shape(argument: str, shapes: dict[str, str]) -> str:
+    """An operand's shape: written beside it (`f32[2,3]{1,0} %x`) or defined earlier."""
+    if "[" in argument:
+        return argument
+    found = _OPERAND.search(argument.strip())
+    return shapes.get(found.group("name"), "") if found else ""
 
 
 def _ints(text: str) -> list[int]:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 import re
 
-from autopar.cost.hlo import array_bytes, computations, executions
-from autopar.cost.xla.gpu import array_dims, call_flops, definitions, operand_shape
+from autopar.cost.hlo import (array_bytes, array_dims, computations, definitions, executions,
+                              operand_shape)
+from autopar.cost.xla.gpu import call_flops, convolution_flops
 
 # HloCostAnalysis: an elementwise operation counts one flop per result element (the
 # transcendental ones count as transcendentals, not flops).
@@ -32,7 +33,6 @@ NO_BYTES = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "con
                       "while", "conditional", "call", "after-all", "partition-id",
                       "replica-id"})
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[0-9,]*)\}")
-_DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
 _INNER = re.compile(r"\b(?:calls|to_apply)=%?(?P<name>[\w.\-]+)")
 
 
@@ -48,9 +48,8 @@ def instruction_flops(op: str, shape: str, operands: list[list[int]], rest: str)
         found = _CONTRACTING.search(rest)
         dims = [int(d) for d in found["dims"].split(",") if d] if found else []
         return 2.0 * math.prod(result) * math.prod(operands[0][d] for d in dims)
-    if op == "convolution" and len(operands) > 1 and (labels := _DIM_LABELS.search(rest)):
-        kernel = operands[1]
-        return 2.0 * math.prod(result) * math.prod(kernel) / kernel[labels["rhs"].index("o")]
+    if op == "convolution" and len(operands) > 1:
+        return convolution_flops(result, operands[1], rest)
     if op == "custom-call":
         return call_flops(shape, operands, rest)
     if op in ELEMENTWISE:

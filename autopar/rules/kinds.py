@@ -16,9 +16,9 @@ from typing import Sequence
 CHEAP_ELEMENTWISE = frozenset({
     "abs", "add", "add_any", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p",
     "eq", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lt", "max", "min",
-    "mul", "ne", "neg", "not", "one_minus_square", "or", "population_count", "real", "reduce_precision", "round",
-    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "square",
-    "stop_gradient", "sub", "xor",
+    "mul", "ne", "neg", "not", "one_minus_square", "or", "population_count", "real",
+    "reduce_precision", "round", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "square", "stop_gradient", "sub", "xor",
 })
 # The other elementwise primitives: transcendental functions and divisions, which XLA deems
 # expensive, and some not measured yet, which are treated as expensive too (their results are

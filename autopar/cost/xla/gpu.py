@@ -2,13 +2,14 @@
 
 XLA GPU rewrites dots into `__cublas$lt$matmul` / `__cublas$gemm` custom calls and
 convolutions into `__cudnn$conv...` ones, and `cost_analysis()` counts no flops for a custom
-call, nor any bytes. Seen with jax 0.11.2 on an H200 (benchmarks/results/device.md): the 4-layer d_model-1024
-GPT's step reported 0.23 TFLOP where the same program compiled for the CPU (dots kept as dots)
-counts 8.68, so a roofline read from it judged the matrix work free. `library_work` reads those
-calls' flops and bytes from the optimised HLO text: 2 x output elements x contraction length for a GEMM;
-2 x forward-output elements x filter elements per output feature for a convolution, whichever
-of forward, backward-input or backward-filter the call computes. As cost_analysis does, a call
-in a loop body counts once here (autopar.cost.loop_work adds the other trips).
+call, nor any bytes. Seen with jax 0.11.2 on an H200 (benchmarks/results/device.md): the
+4-layer d_model-1024 GPT's step reported 0.23 TFLOP where the same program compiled for the
+CPU (dots kept as dots) counts 8.68, so a roofline read from it judged the matrix work free.
+`library_work` reads those calls' flops and bytes from the optimised HLO text: 2 x output
+elements x contraction length for a GEMM; 2 x forward-output elements x filter elements per
+output feature for a convolution, whichever of forward, backward-input or backward-filter the
+call computes. As cost_analysis does, a call in a loop body counts once here
+(autopar.cost.loop_work adds the other trips).
 """
 from __future__ import annotations
 
@@ -16,13 +17,8 @@ import json
 import math
 import re
 
-from autopar.cost.hlo import array_bytes
+from autopar.cost.hlo import array_bytes, array_dims, definitions, operand_shape
 
-_DEFINITION = re.compile(
-    r"^\s*(?P<root>ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^)]*\)|[a-z][a-z0-9]*\[[0-9,]*\]"
-    r"(?:\{[^}]*\})?)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
-_ARRAY = re.compile(r"[a-z][a-z0-9]*\[([0-9,]*)\]")
-_OPERAND = re.compile(r"%(?P<name>[\w.\-]+)\s*$")
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
@@ -34,26 +30,6 @@ CONVOLUTIONS = {"__cudnn$convForward": ("result", 1),
                 "__cudnn$convBackwardFilter": (1, "result")}
 
 
-def definitions(lines: list[str]) -> list[dict[str, str]]:
-    """The instructions among HLO text lines: root (set for a computation's result), name,
-    shape, op, args (operand text), rest."""
-    return [m.groupdict() for line in lines if (m := _DEFINITION.match(line))]
-
-
-def array_dims(shape: str) -> list[int]:
-    """The first array's dimensions in an HLO shape (a tuple's first element)."""
-    found = _ARRAY.search(shape)
-    return [int(d) for d in found.group(1).split(",") if d] if found else []
-
-
-def operand_shape(argument: str, shapes: dict[str, str]) -> str:
-    """An operand's shape: written beside it (`f32[2,3]{1,0} %x`) or defined earlier."""
-    if "[" in argument:
-        return argument
-    found = _OPERAND.search(argument.strip())
-    return shapes.get(found.group("name"), "") if found else ""
-
-
 def call_flops(shape: str, operands: list[list[int]], rest: str) -> float:
     """Flops of a cuBLAS or cuDNN custom call (0 for any other custom call)."""
     target = _TARGET.search(rest)
@@ -63,13 +39,21 @@ def call_flops(shape: str, operands: list[list[int]], rest: str) -> float:
         config = _CONTRACTING.search(rest)
         dims = json.loads(f"[{config.group('dims')}]") if config else []
         return 2.0 * math.prod(result) * math.prod(operands[0][int(d)] for d in dims)
-    if target in CONVOLUTIONS and (labels := _DIM_LABELS.search(rest)):
+    if target in CONVOLUTIONS:
         out_at, filter_at = CONVOLUTIONS[target]
-        out = result if out_at == "result" else operands[out_at]
-        kernel = result if filter_at == "result" else operands[filter_at]
-        if kernel:
-            return 2.0 * math.prod(out) * math.prod(kernel) / kernel[labels["rhs"].index("o")]
+        return convolution_flops(result if out_at == "result" else operands[out_at],
+                                 result if filter_at == "result" else operands[filter_at], rest)
     return 0.0
+
+
+def convolution_flops(out: list[int], kernel: list[int], rest: str) -> float:
+    """A convolution's flops from its forward output's and filter's dimensions: a multiply and
+    an add per output element and filter element of its output feature (`dim_labels` in the
+    instruction's text says which filter dimension is that feature)."""
+    labels = _DIM_LABELS.search(rest)
+    if not labels or not kernel:
+        return 0.0
+    return 2.0 * math.prod(out) * math.prod(kernel) / kernel[labels["rhs"].index("o")]
 
 
 def library_work(hlo_text: str) -> tuple[float, float]:
