@@ -3,6 +3,8 @@ compiler fuses away (no memory traffic), which sums XLA combines into one all-re
 weight gradients, and the values only the step's results read."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from autopar.cost.model import ValueFacts
 from autopar.cost.xla import buffer_model
 from autopar.rules.kinds import FUSED, SUMMING
@@ -29,19 +31,27 @@ def weight_gradients(graph: OpGraph) -> frozenset[int]:
 def value_facts(graph: OpGraph) -> ValueFacts:
     """The values the compiler of the graph's platform fuses away (its BufferModel's
     fused_values: XLA CPU's as measured, an ideal fuser's elsewhere), and the sums XLA's
-    all-reduce combiner merges into one collective: the weight gradients outside loops, and
-    the sums only the step's results read (the loss). Neither kind waits for another's
-    all-reduce, so a step pays one collective's latency for all of them (data parallel gpt-1024
-    on 8 devices compiles to one all-reduce of 448 MiB for all its gradients and its loss).
-    Each is charged its share of one latency; charged one each, the 37 sums of a small GPT
-    cost 0.18 ms on h100, where the compiled all-reduce takes 0.007 ms, and the search
-    replicated the step. GPU's XLA splits the combined buffer at a threshold of tens of MiB,
-    where the bandwidth term outweighs the latencies: not modelled."""
+    all-reduce combiner merges into one collective: the weight gradients, and the sums only
+    the step's results read (the loss). Neither kind waits for another's all-reduce, so a step
+    pays one collective's latency for all of them (data parallel gpt-1024 on 8 devices
+    compiles to one all-reduce of 448 MiB for all its gradients and its loss). Each is charged
+    its share of one latency; charged one each, the 37 sums of a small GPT cost 0.18 ms on
+    h100, where the compiled all-reduce takes 0.007 ms, and the search replicated the step.
+    The combiner works within one computation: the sums of a loop body (a microbatch's
+    gradients, reduced in each microbatch) share one latency per trip, as the compiled loop
+    does (one all-reduce of all of them per microbatch), apart from those outside it; ops
+    that run as often are taken to share a loop. GPU's XLA splits the combined buffer at a
+    threshold of tens of MiB, where the bandwidth term outweighs the latencies: not
+    modelled."""
     gradients, terminal = weight_gradients(graph), terminal_values(graph)
-    combined = frozenset(op.outputs[0] for op in graph.ops
-                         if op.primitive in SUMMING and op.repeat == 1
-                         and (op.outputs[0] in gradients or op.outputs[0] in terminal))
-    return ValueFacts(buffer_model(graph.compiler).fused_values(graph), combined)
+    loops: dict[int, list[int]] = {}  # trips per step -> the sums combined there
+    for op in graph.ops:
+        if op.primitive in SUMMING and (op.outputs[0] in gradients
+                                        or op.outputs[0] in terminal):
+            loops.setdefault(op.repeat, []).append(op.outputs[0])
+    combined = {t: len(sums) for sums in loops.values() for t in sums}
+    return ValueFacts(buffer_model(graph.compiler).fused_values(graph),
+                      MappingProxyType(combined))
 
 
 def terminal_values(graph: OpGraph) -> frozenset[int]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Sequence
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Sequence
 
 from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.mesh import MeshShape
@@ -105,7 +106,8 @@ class ValueFacts(NamedTuple):
     """What XLA does with some values of a graph, as the cost model prices it."""
 
     fused: frozenset[int] = frozenset()  # never written to memory: fused_values
-    combined: frozenset[int] = frozenset()  # all-reduced in one collective: see value_facts
+    # all-reduced in one collective with others (see value_facts): value -> how many share it
+    combined: Mapping[int, int] = MappingProxyType({})
 
 
 def op_signature(op: Op, tensors: Sequence[Tensor], facts: ValueFacts = ValueFacts()
@@ -114,7 +116,7 @@ def op_signature(op: Op, tensors: Sequence[Tensor], facts: ValueFacts = ValueFac
     every block): op_time and op_collectives read nothing else of the op."""
     return (op.primitive, op.repeat, str(op.params.get("dimension_numbers")),
             str(op.params.get("padding_config")), op.params.get("shift"),
-            tuple((tensors[t].shape, tensors[t].dtype, t in facts.fused, t in facts.combined)
+            tuple((tensors[t].shape, tensors[t].dtype, t in facts.fused, facts.combined.get(t))
                   for t in (*op.inputs, *op.outputs)))
 
 
@@ -140,7 +142,7 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
                 continue
             comm += all_reduce(held, n, link)
             if n > 1 and t in facts.combined:
-                comm -= link.latency * (1 - 1 / len(facts.combined))
+                comm -= link.latency * (1 - 1 / facts.combined[t])
     for axes, nbytes in _shifted(op, strategy, tensors, mesh):
         comm += collective_time("collective-permute", nbytes, 2, group_link(hw, mesh, axes))
     return compute * op.repeat, comm * op.repeat
