@@ -102,6 +102,7 @@ def _accessed(d: dict[str, str], args: list[str], parsed: dict[str, list[dict]])
     callee = _INNER.search(d["rest"]) if d["op"] in ("fusion", "fusion-start") else None
     inside = parsed.get(callee["name"], []) if callee else []
     shapes = {i["name"]: i["shape"] for i in inside}
+    root = next((u for u in inside if u["root"]), None)
     for i in inside:
         if i["op"] != "parameter":
             continue
@@ -112,7 +113,6 @@ def _accessed(d: dict[str, str], args: list[str], parsed: dict[str, list[dict]])
                 u["op"] == "dynamic-slice" and u["args"].split(",")[0].strip() == f"%{i['name']}"
                 for u in users):
             sizes[k] = sum(shape_bytes(u["shape"]) for u in users)
-        root = next((u for u in inside if u["root"]), None)
         if (root is not None and root["op"] == "dynamic-update-slice" and k < len(sizes)
                 and root["args"].split(",")[0].strip() == f"%{i['name']}"):
             sizes[k] = 0.0
