@@ -110,10 +110,9 @@ def row(name: str, parts: int, profile: str, repeats: int, hlo_dir: str | None =
     state = (filled(params), filled(opt_state, random=False))
     batch = filled(batch_shape, seed=1)
     first, median = time_steps(step, state, batch, repeats)
-    # The host program's flops: XLA CPU's cost analysis counts every dot, the GPU's leaves
-    # out those it hands to cuBLAS (the table's last column).
+    # the chip program's flops as judged: its cuBLAS and cuDNN calls and every loop trip
     out.update(first_call_s=first, measured_ms=median * 1e3,
-               achieved_tflops=on_cpu.flops / median / 1e12)
+               achieved_tflops=on_chip.flops / median / 1e12)
     return out
 
 
@@ -153,7 +152,7 @@ def markdown(result: dict[str, Any]) -> str:
              "Judged: `autopar.evaluate` of the chip's compiled program and of the host CPU's "
              "(the quality suite's judge reads the latter). Estimated: autopar's plan on a "
              "one-device mesh. Ratios are over the measured time / the chip's compiled memory.",
-             "", "| model | batch | measured ms | achieved TFLOP/s (host program's flops) | "
+             "", "| model | batch | measured ms | achieved TFLOP/s (chip program's flops) | "
              "judged ms: chip program (/ measured) | judged ms: host program (/ measured) | "
              "estimated ms (/ measured) | compiled memory MiB | estimated memory (/ compiled) | host program flops / chip's |",
              "|---|---|---|---|---|---|---|---|---|---|"]
