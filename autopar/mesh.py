@@ -34,6 +34,17 @@ class MeshShape:
     def as_dict(self) -> dict[str, int]:
         return dict(self._size_of)
 
+    # The cost model's caches key on the mesh millions of times per plan: hash it once.
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.names, self.sizes))
+
+    def __getstate__(self) -> dict:  # a string's hash differs between processes: not pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:
         return "{" + ", ".join(f"{n!r}: {s}" for n, s in zip(self.names, self.sizes)) + "}"
 

@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
@@ -56,6 +56,17 @@ class Hardware:
     # The compiler's platform ('cpu', 'gpu', 'tpu'): where no devices are at hand (an abstract
     # mesh), the memory estimate models this platform's buffers (autopar.cost.xla).
     platform: str = "cpu"
+
+    # The cost model's caches key on the profile millions of times per plan: hash it once.
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __getstate__(self) -> dict:  # a string's hash differs between processes: not pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def link_levels(self) -> tuple[LinkLevel, ...]:
         """The levels, fastest first; one level of any size where the profile gives none."""

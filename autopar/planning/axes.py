@@ -132,7 +132,7 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                 extension = Extension(frozenset(done), {
                     u: dict(strategies[u].assignment) for u in range(len(problem.units))})
             return build_problem(graph, sub, hw, sub_pins, extend=extension, units=units,
-                                 narrow=narrow)
+                                 narrow=narrow, memo=problems)
 
         problem = kept_problem(problems, key, build).priced(graph, sub, memory_weight)
         solution, exact = solve_round(problem.graph)
@@ -176,7 +176,8 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     pins = None if pinned is None else {
         t: tuple((name,) if axes else () for axes in spec) for t, spec in pinned.items()}
     first = kept_problem(problems, ("all axes as one", narrow), lambda: build_problem(
-        graph, one, hw, pins, units=units, narrow=narrow)).priced(graph, one, memory_weight)
+        graph, one, hw, pins, units=units, narrow=narrow, memo=problems)
+    ).priced(graph, one, memory_weight)
     answer, _ = solve_round(first.graph)
     rest = [a for a in mesh.names if a in order[:-1]]
     extension = Extension(frozenset(rest), {
@@ -184,6 +185,6 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
         for u, s in enumerate(first.decode(answer.choice))})
     whole = kept_problem(problems, ("all axes as one", narrow, answer.choice.tobytes()),
                          lambda: build_problem(graph, mesh, hw, pinned, extend=extension,
-                                               units=units, narrow=narrow)
+                                               units=units, narrow=narrow, memo=problems)
                          ).priced(graph, mesh, memory_weight)
     return whole, solve_round(whole.graph)[0]

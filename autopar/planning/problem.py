@@ -177,7 +177,7 @@ def main_operand(unit: Unit, graph: OpGraph) -> int | None:
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
                   tie_layers: bool = True, units: list[Unit] | None = None,
-                  narrow: bool = False) -> Problem:
+                  narrow: bool = False, memo: dict | None = None) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of tensors by id (inputs, and results of `autopar.shard`): the
@@ -190,6 +190,9 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     `narrow` offers reduce-scatters to weight gradients alone, along their first dimension:
     a smaller space, where the searches that are not exact (bounded elimination, one axis at
     a time) sometimes find a better plan than in the whole one (solve._best_within_bound).
+    `memo` (a dict kept for one graph, as solve's `problems` is) keeps the operators' costs
+    and the resharding tables for the next build of the graph on the same mesh: the narrow
+    space, the tied and untied problems and every round of the recursion share most of them.
     The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
     units = make_units(graph) if units is None else units
@@ -199,10 +202,10 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   if tie_layers and unit.tie is not None}
     node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
                                      pinned or {}, narrow)
-    reshard = _Resharding(mesh, hw)
+    op_costs, reshard = ({}, _Resharding(mesh, hw)) if memo is None else memo.setdefault(
+        ("pricing", mesh, hw), ({}, _Resharding(mesh, hw)))
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
-    op_costs: dict[tuple, Any] = {}
     for u, unit in enumerate(units):
         if unit.op is not None:
             node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph, mesh, hw,
@@ -368,11 +371,12 @@ def _unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
                 mesh: MeshShape, hw: Hardware, memo: dict[tuple, Any]) -> np.ndarray:
     """Compute plus communication seconds of the unit's op under each strategy.
 
-    `memo` is shared by all units: units of one `cost_key` cost the same under the same
-    strategy, and units of a repeated layer share their strategy list.
+    `memo` is shared by all units (and by every build of one graph on one mesh): units of one
+    `cost_key` cost the same under the same strategy, and units of a repeated layer share
+    their strategy list.
     """
     op = unit.op
-    if "facts" not in memo:  # once per build: an equal graph from another trace hashes alike
+    if "facts" not in memo:  # once per graph: an equal graph from another trace hashes alike
         memo["facts"] = value_facts(graph)  # but compares op by op in the cache
     key = (unit.cost_key, id(strategies))
     if key not in memo:

@@ -57,7 +57,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
 
     def full() -> Problem:  # the whole mesh's problem at this price
         return kept_problem(problems, "full", lambda: build_problem(
-            graph, mesh, hw, pinned, units=units)).priced(graph, mesh, memory_weight)
+            graph, mesh, hw, pinned, units=units, memo=problems)).priced(graph, mesh, memory_weight)
 
     if kept_budget is not None:
         if algorithm != "dynamic_programming":
@@ -95,7 +95,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         if solution is None:
             tie = untied is None
             narrow = kept_problem(problems, ("narrow", tie), lambda: build_problem(
-                graph, mesh, hw, pinned, tie_layers=tie, units=units, narrow=True)).priced(
+                graph, mesh, hw, pinned, tie_layers=tie, units=units, narrow=True,
+                memo=problems)).priced(
                     graph, mesh, memory_weight)
             problem, solution, space = _best_within_bound(problem, narrow, mesh)
     t1 = time.perf_counter()
@@ -143,7 +144,8 @@ def _untied(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spe
             or untied_node_count(graph, units, pinned or {}) > UNTIED_NODE_LIMIT):
         return None
     return kept_problem(problems, "untied", lambda: build_problem(
-        graph, mesh, hw, pinned, tie_layers=False, units=units)).priced(graph, mesh, memory_weight)
+        graph, mesh, hw, pinned, tie_layers=False, units=units, memo=problems)
+        ).priced(graph, mesh, memory_weight)
 
 
 def _decisions(problem: Problem, solution: search.Solution, graph: OpGraph) -> Decisions:

@@ -135,6 +135,11 @@ def canonical(value: Rule | MeshShape) -> Rule | MeshShape:
 @functools.lru_cache(maxsize=1 << 16)
 def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool | str
                 ) -> tuple[Strategy, ...]:
+    if scatter:  # the same objects as the plain strategies: caches keyed by identity hit
+        options = _strategies(rule, mesh, limit, False)
+        first = scatter == "first"
+        return options + tuple(v for s in options
+                               for v in _scattered(s, rule, mesh)[:1 if first else None])
     factors = sorted(rule.sizes)
     axes = [a for a, s in zip(mesh.names, mesh.sizes) if s > 1]
     found: list[tuple[int, dict]] = []
@@ -147,12 +152,10 @@ def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool | str
                for f, ax in assignment.items()):
             found.append((sum(c is not None for c in choice), assignment))
     found.sort(key=lambda item: item[0])
-    options = tuple(strategy(rule, mesh, a) for _, a in found[:limit])
-    if not scatter:
-        return options
-    first = scatter == "first"
-    return options + tuple(v for s in options
-                           for v in scattered(s, rule, mesh)[:1 if first else None])
+    return tuple(strategy(rule, mesh, a) for _, a in found[:limit])
+
+
+_scattered = functools.lru_cache(maxsize=1 << 16)(lambda s, rule, mesh: scattered(s, rule, mesh))
 
 
 def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> tuple[Strategy, ...]:
