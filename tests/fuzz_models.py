@@ -2,8 +2,10 @@
 
 `specs()` is a hypothesis strategy drawing a `Spec`: a plain, printable description of a model
 (input stem, residual blocks, layer stacking, head, dtypes, optimizer). `build(spec)` turns it
-into `(step, state, batch)`: an ordinary single-device train step (loss, jax.value_and_grad,
-optax update) with concrete inputs. A failing case is therefore reproduced from its printed
+into `(step, state, batch)`: an ordinary single-device train step (loss, value_and_grad,
+optax update) with concrete inputs. The step takes its gradient with `autopar.value_and_grad`,
+which is `jax.value_and_grad` everywhere but in a step autopar accumulates over microbatches or
+pipelines, so that the fuzzer can draw those schedules too. A failing case is therefore reproduced from its printed
 Spec alone: `build(Spec(...))`.
 
 Every model is tiny (widths 8 to 32, batch 8 or 16) so that one case compiles in seconds, and
@@ -24,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from hypothesis import strategies as st
+
+import autopar
 
 VOCAB = 32    # token ids for the embedding stem and the tied head
 CLASSES = 8   # labels of the untied classification head
@@ -302,7 +306,7 @@ def build(spec: Spec):
             rngs = {"dropout": batch["dropout"]} if "dropout" in batch else {}
             return _loss(spec, model.apply(p, batch["inputs"], rngs=rngs), batch["targets"])
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 

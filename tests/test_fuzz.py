@@ -1,7 +1,9 @@
 """Property-based fuzzing: random small train steps, random meshes, random searches.
 
 For every drawn case (a model from fuzz_models.specs(), a mesh of one to three axes over the 8
-devices, one of the three searches, maybe a batch annotation), two train steps run
+devices, one of the three searches, maybe a batch annotation, and a schedule: one batch,
+gradient accumulation over microbatches, or the model's layer stack pipelined over two stages
+of a 'stage' mesh axis), two train steps run
 single-device under jax.jit and sharded under autopar.auto_parallel, each from a fresh copy of
 the same state. The property: either
 autopar refuses the case with an AutoparError, or the sharded run trains as one device does
@@ -49,6 +51,10 @@ SEARCHES = ("dynamic_programming", "recursive_programming", "sharding_propagatio
 # One to three axes over the 8 devices; a size-1 axis and a mesh using half the devices too.
 MESHES = ({"a": 8}, {"a": 2, "b": 4}, {"a": 4, "b": 2}, {"a": 2, "b": 2, "c": 2},
           {"a": 1, "b": 8}, {"a": 2, "b": 1, "c": 4}, {"a": 4})
+# (microbatches, pipeline stages), one batch first. The models' stacks have LAYERS = 2 layers:
+# two stages of one layer each, on a mesh whose 'stage' axis has 2 devices.
+SCHEDULES = ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2))
+STAGED_MESHES = ({"stage": 2, "a": 4}, {"stage": 2, "a": 2, "b": 2}, {"stage": 2, "a": 1, "b": 4})
 
 # float32: reductions split over devices change only the summation order, so losses agree to
 # a few ulps of float32 after two steps (rtol 1e-4 leaves ample room) and the state to far
@@ -87,16 +93,19 @@ class CaseFailure(AssertionError):
 
 
 @st.composite
-def settings_for_case(draw) -> tuple[dict[str, int], str, str | None]:
-    """(mesh, search, batch axis): the axis that the batch's data and labels are annotated
-    to be split over, or None. sharding_propagation spreads annotations and refuses a step
-    without any, so it always gets one; the other searches get one half the time."""
-    mesh = draw(st.sampled_from(MESHES))
+def settings_for_case(draw) -> tuple[dict[str, int], str, str | None, tuple[int, int]]:
+    """(mesh, search, batch axis, schedule): the axis that the batch's data and labels are
+    annotated to be split over, or None; the schedule as (microbatches, stages), the mesh
+    one with a 'stage' axis where the stages are more than one. sharding_propagation spreads
+    annotations and refuses a step without any, so it always gets one; the other searches get
+    one half the time."""
+    schedule = draw(st.sampled_from(SCHEDULES))
+    mesh = draw(st.sampled_from(MESHES if schedule[1] == 1 else STAGED_MESHES))
     search = draw(st.sampled_from(SEARCHES))
     axis = None
     if search == "sharding_propagation" or draw(st.booleans()):
         axis = draw(st.sampled_from(list(mesh)))
-    return mesh, search, axis
+    return mesh, search, axis, schedule
 
 
 def annotations_for(axis: str | None) -> dict | None:
@@ -105,17 +114,24 @@ def annotations_for(axis: str | None) -> dict | None:
 
 
 def check_case(spec: fuzz_models.Spec, mesh: dict[str, int], search: str,
-               axis: str | None = None) -> dict:
+               axis: str | None = None, schedule: tuple[int, int] = (1, 1)) -> dict:
     """Run one case; return its record, raising CaseFailure if the property fails."""
-    record = {"spec": repr(spec), "mesh": mesh, "search": search, "batch_axis": axis}
+    record = {"spec": repr(spec), "mesh": mesh, "search": search, "batch_axis": axis,
+              "schedule": schedule}
+    microbatches, stages = schedule
     step, state, batch = fuzz_models.build(spec)
+    if microbatches > 1 and "dropout" in batch:
+        # Split into microbatches, every leaf of the batch but a scalar must hold examples:
+        # the raw key's (2,) would be refused, so the key goes typed (the same bits).
+        batch = {**batch, "dropout": jax.random.wrap_key_data(batch["dropout"])}
     ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), batch, STEPS)
     assert np.all(np.isfinite(ref_losses)), f"the grammar drew a diverging model: {ref_losses}"
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", autopar.AutoparWarning)
             sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), search=search,
-                                            annotations=annotations_for(axis))
+                                            annotations=annotations_for(axis),
+                                            microbatches=microbatches, pipeline=stages)
             new_state, losses = run_steps(sharded, copy_tree(state), batch, STEPS)
     except autopar.AutoparError as e:
         return record | {"outcome": "autopar_error", "error": str(e).splitlines()[0]}
@@ -197,39 +213,42 @@ def test_fuzz_matches_single_device():
     @example(spec=Spec(batch=16, seq=8, width=16, heads=4, inputs="tokens",
                        blocks=("einsum_attention", "dense"), norm="layer", dropout=True,
                        stack="nn_scan", head="tied", optimizer="adamw"),
-             case=({"a": 2, "b": 4}, "sharding_propagation", "a"))
+             case=({"a": 2, "b": 4}, "sharding_propagation", "a", (1, 1)))
     @example(spec=Spec(batch=8, width=8, inputs="image", strided=True, blocks=("mixer",),
                        remat=True, lax_scan=True, pool="max", dtype="bf16_compute"),
-             case=({"a": 2, "b": 2, "c": 2}, "dynamic_programming", None))
+             case=({"a": 2, "b": 2, "c": 2}, "dynamic_programming", None, (1, 1)))
     @example(spec=Spec(batch=16, seq=4, width=32, heads=2, blocks=("attention", "heads"),
                        norm="rms", pool="mean", head="regression", dtype="bf16_params",
                        optimizer="adamw"),
-             case=({"a": 1, "b": 8}, "recursive_programming", "b"))
+             case=({"a": 1, "b": 8}, "recursive_programming", "b", (1, 1)))
     # bf16 throughout, blocks split over the width: partial sums rounded to bf16 before their
     # all-reduce part from one device's by more than TOLERANCES allow (float32 criterion).
     @example(spec=Spec(batch=16, seq=4, width=32, heads=2, blocks=("dense", "conv"),
                        norm="layer", stack="nn_scan", pool="max", head="regression",
                        dtype="bf16", optimizer="sgd", seed=1),
-             case=({"a": 4}, "dynamic_programming", None))
+             case=({"a": 4}, "dynamic_programming", None, (1, 1)))
     def prop(spec, case):
-        mesh, search, axis = case
-        key = (spec, tuple(mesh.items()), search, axis)
+        mesh, search, axis, schedule = case
+        if schedule[1] > 1 and spec.stack != "nn_scan" and not spec.lax_scan:
+            schedule = (schedule[0], 1)  # no layer stack to pipeline: accumulation alone
+        key = (spec, tuple(mesh.items()), search, axis, schedule)
         if key in seen:  # hypothesis may draw a passed case again; it would only cost time
             summary.counts["repeated"] += 1
             return
         t0 = time.perf_counter()
         try:
-            record = check_case(spec, mesh, search, axis)
+            record = check_case(spec, mesh, search, axis, schedule)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             detail = str(e) if len(str(e)) < 6000 else f"{str(e)[:2000]}\n...\n{str(e)[-4000:]}"
             summary.add({"spec": repr(spec), "mesh": mesh, "search": search, "batch_axis": axis,
-                         "outcome": "failed", "error": first, "detail": detail,
+                         "schedule": schedule, "outcome": "failed", "error": first, "detail": detail,
                          "seconds": round(time.perf_counter() - t0, 1)})
             if not KEEP_GOING:
                 raise  # and hypothesis replays this case to report it: it must fail again
             seen.add(key)
-            summary.failures.append(f"check_case({spec!r}, {mesh}, {search!r}, {axis!r}):\n"
+            summary.failures.append(f"check_case({spec!r}, {mesh}, {search!r}, {axis!r}, "
+                                    f"{schedule}):\n"
                                     f"    {type(e).__name__}: {first}")
             return
         seen.add(key)
