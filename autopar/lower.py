@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.cost.model import partial_split
-from autopar.lower_loop import pinnable_loop, run_loop
+from autopar.lower_loop import pinnable_loop, run_loop, sharded_inside
 from autopar.plan import Decisions
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
@@ -128,7 +128,8 @@ class _Lowering:
             with eqn.ctx.manager:
                 if explicit is not None:
                     out = bind_explicit(self.mesh, eqn.primitive, params, values, *explicit)
-                elif self.decisions.pinned_inside and pinnable_loop(self.graph, step):
+                elif (self.decisions.pinned_inside and pinnable_loop(self.graph, step)
+                      and sharded_inside(self, step)):
                     out = run_loop(self, step, values, params)
                 else:
                     out = eqn.primitive.bind(*values, **params)

@@ -205,14 +205,19 @@ class _Accumulation:
                                         self.args[i])
                  for i in self.batch]
         random_xs = [strided_dim(v, dim, size, m, g) for v, dim in randoms]
+        # Each microbatch's (share's) examples, by index in the batch: draws inside loops
+        # take the full batch's bits at them (draws.py).
+        example_xs = (strided(jnp.arange(size, dtype=jnp.int32), m, g)
+                      if analysis.draws_in_loops else None)
 
-        def share(batch_j: list, randoms_j: list) -> tuple[Any, Any]:
+        def share(batch_j: list, randoms_j: list, examples_j: Any) -> tuple[Any, Any]:
             args_j = list(self.args)
             for i, b in zip(self.batch, batch_j):
                 args_j[i] = b
             previous, self.mode = self.mode, "microbatch"
             self.inside = (analysis, hoisted, [jnp.moveaxis(r, 0, dim)
-                                               for r, (_, dim) in zip(randoms_j, randoms)])
+                                               for r, (_, dim) in zip(randoms_j, randoms)],
+                           examples_j)
             try:
                 self.step(*args_j)
             except _Captured:
@@ -230,7 +235,7 @@ class _Accumulation:
         per_share = (g,) if g > 1 else ()
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(per_share + s.shape, s.dtype),
                                        self._summed_shape(analysis, out_shape, argnums, args))
-        (summed, grads), examples = jax.lax.scan(body, zeros, (split, random_xs))
+        (summed, grads), examples = jax.lax.scan(body, zeros, (split, random_xs, example_xs))
         if g > 1:  # the shares' sums, added once: the loop's only reduction over the batch
             summed, grads = jax.tree_util.tree_map(lambda x: x.sum(0), (summed, grads))
         value = analysis.outputs(summed, [unstrided(e, size, g) for e in examples])
@@ -247,7 +252,7 @@ class _Accumulation:
                         args: tuple) -> Any:
         """This microbatch's summed outputs (loss, and aux sums), gradients and per-example
         outputs, as the analysis says to compute them."""
-        analysis, hoisted, randoms = self.inside
+        analysis, hoisted, randoms, positions = self.inside
         closed = jax.make_jaxpr(loss)(*args)
         flat, tree = jax.tree_util.tree_flatten(args)
         diff = analysis.diff_leaves
@@ -256,7 +261,7 @@ class _Accumulation:
             leaves = list(flat)
             for k, v in zip(diff, diff_values):
                 leaves[k] = v
-            outs = evaluate(analysis, closed, leaves, hoisted, randoms)
+            outs = evaluate(analysis, closed, leaves, hoisted, randoms, positions)
             summed, examples = analysis.split_outputs(outs)
             return summed[0], (summed, examples)
 

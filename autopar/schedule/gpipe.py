@@ -168,6 +168,9 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
             why.append(f"{where} loops over per-example values")
         elif any(id(v) in used_later for v in eqn.outvars[ncarry:]):
             why.append(f"{where} has per-layer outputs the loss uses")
+        elif analysis.actions.get(id(eqn)) == ("loop_draws",):
+            why.append(f"{where} draws random numbers in its layers (dropout), which a "
+                       "pipeline's stages do not draw per microbatch yet")
         else:
             found.append((length * len(p["jaxpr"].jaxpr.eqns), eqn))
     if not found:

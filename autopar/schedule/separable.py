@@ -12,7 +12,8 @@ The loss of the full batch is the sum over microbatches of each microbatch's los
   batch-free value added to it counts 1/M in each microbatch;
 - what reduces over the batch, from the batch alone (a token count), is computed once, at the
   full batch ("hoisted");
-- per-example random numbers are drawn once for the full batch and sliced;
+- per-example random numbers are drawn once for the full batch and sliced; inside a loop
+  (dropout in a scanned stack) each microbatch draws its own examples' bits (draws.py);
 - operations on per-example values keep examples apart (no reduction, slice or shift along the
   batch dimension), and nothing per-example is computed from a batch sum.
 Anything else is refused with an AutoparError that names the operation.
@@ -22,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import jax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from autopar.errors import AutoparError
 from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, REDUCTIONS
+from autopar.schedule.draws import bits_at, why_not_drawable
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
 
 RANDOM_DRAWS = frozenset({"random_bits", "rng_bit_generator", "rng_uniform"})
@@ -60,6 +63,8 @@ class Separability:
         self.hoisted: list[int] = []  # ids of the equations computed at the full batch
         # id of an examplewise scan -> its inputs' kinds, and its equation at one microbatch
         self.loops: dict[int, tuple[list[Kind], Any]] = {}
+        self.depth = 0  # loops around the equations being analysed
+        self.draws_in_loops = False  # a loop draws per-example bits: evaluate needs `examples`
         dep = set(self.diff_leaves)
         ins = [self._kind(f.aval, m.aval, False, "an input of the loss")
                for f, m in zip(full.jaxpr.constvars, micro.jaxpr.constvars)]
@@ -140,11 +145,18 @@ class Separability:
         before = len(self.actions)
         ins = [self._kind(f.aval, m.aval, False, "a constant of a loop")
                for f, m in zip(body_f.constvars, body_m.constvars)]
-        outs = self._analyse(body_f, body_m, ins + kinds[:nc + ncarry] + inner)
-        if len(self.actions) > before:
-            raise _refused(where, "draws per-example random numbers, or computes from the "
-                                  "batch alone what microbatches take from the full batch, "
-                                  "inside a loop")
+        self.depth += 1
+        try:
+            outs = self._analyse(body_f, body_m, ins + kinds[:nc + ncarry] + inner)
+        finally:
+            self.depth -= 1
+        added = [a[0] for a in list(self.actions.values())[before:]]
+        if set(added) - {"drawn", "inline", "loop_draws"}:
+            raise _refused(where, "computes from the batch alone what microbatches take from "
+                                  "the full batch, inside a loop")
+        if added:  # per-example random bits, drawn for each microbatch's own examples
+            self.actions[id(ef)] = ("loop_draws",)
+            self.draws_in_loops = True
         carry_in, carry_out = kinds[nc:nc + ncarry], outs[:ncarry]
         if any((a.batch, a.summed) != (b.batch, b.summed) for a, b in zip(carry_in, carry_out)):
             raise _refused(where, "carries a value that changes how it depends on the batch "
@@ -163,7 +175,13 @@ class Separability:
                 raise _refused(where, "computes per-example values from a sum over the batch "
                                       "(a batch statistic, as batch normalisation keeps)")
             if not per_example:
-                if name in RANDOM_DRAWS:
+                if name in RANDOM_DRAWS and self.depth:
+                    why = why_not_drawable(ef)
+                    if why:
+                        raise _refused(where, f"draws per-example random numbers inside a "
+                                              f"loop, and {why}")
+                    self.actions[id(ef)] = ("drawn", outs[0].batch)
+                elif name in RANDOM_DRAWS:
                     self.actions[id(ef)] = ("random", len(self.randoms))
                     self.randoms.append((id(ef), outs[0].batch))
                 elif name not in CREATING:
@@ -318,19 +336,22 @@ def hoisted_values(analysis: Separability, full: Any, leaves: Sequence[Any]
 
 
 def evaluate(analysis: Separability, micro: Any, leaves: Sequence[Any],
-             hoisted: dict[int, list[Any]], randoms: Sequence[Any]) -> list[Any]:
-    """The loss's outputs on one microbatch (`micro`: its jaxpr, traced for this microbatch)."""
+             hoisted: dict[int, list[Any]], randoms: Sequence[Any], examples: Any = None
+             ) -> list[Any]:
+    """The loss's outputs on one microbatch (`micro`: its jaxpr, traced for this microbatch);
+    `examples`: the indices of its examples in the full batch, for draws inside loops."""
     return _run(analysis.full.jaxpr, micro.jaxpr, list(micro.consts), list(leaves), analysis,
-                hoisted=hoisted, randoms=randoms)
+                hoisted=hoisted, randoms=randoms, examples=examples)
 
 
 def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability,
          hoisted: dict | None = None, randoms: Sequence[Any] = (), wanted: set | None = None,
-         record: dict | None = None) -> list[Any]:
+         record: dict | None = None, examples: Any = None) -> list[Any]:
     """Evaluate `micro`, equation by equation beside `full`, doing what the analysis says:
-    its literals are the full trace's (a mean's 1/B), and hoisted values and random draws come
-    from the full batch. With `wanted`, evaluate only what the full batch computes (every
-    equation independent of what is differentiated) and `record` the wanted results."""
+    its literals are the full trace's (a mean's 1/B), hoisted values and random draws come
+    from the full batch, and draws inside loops are the full batch's bits at `examples`. With
+    `wanted`, evaluate only what the full batch computes (every equation independent of what
+    is differentiated) and `record` the wanted results."""
     env: dict[Any, Any] = dict(zip([*micro.constvars, *micro.invars], [*consts, *args]))
     m = analysis.microbatches
 
@@ -344,8 +365,10 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
     for ef, em in zip(full.eqns, micro.eqns):
         action = analysis.actions.get(id(ef), ())
         values = [read(vm, vf) for vm, vf in zip(em.invars, ef.invars)]
-        if any(v is _MISSING for v in values):
-            continue  # (full-batch pass) depends on what is differentiated: not computed here
+        # (full-batch pass) what depends on what is differentiated is not computed here; a
+        # call (a checkpointed layer, say) is entered all the same, for the draws inside it
+        if any(v is _MISSING for v in values) and action[:1] != ("inline",):
+            continue
         if action[:1] == ("hoist",) and hoisted is not None:
             outs = hoisted[id(ef)]
         elif action[:1] == ("random",) and wanted is None:
@@ -355,7 +378,13 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
             inner_f, _ = _open(ef.params[key])
             inner_m, inner_consts = _open(em.params[key])
             outs = _run(inner_f, inner_m, inner_consts, values, analysis, hoisted, randoms,
-                        wanted, record)
+                        wanted, record, examples)
+        elif action[:1] == ("loop_draws",) and wanted is None:
+            outs = _drawing_loop(ef, em, values, analysis, examples)
+        elif action[:1] == ("drawn",) and wanted is None:
+            assert examples is not None, "a draw inside a loop needs the microbatch's examples"
+            outs = [bits_at(values[0], ef.params["shape"], em.params["shape"], action[1],
+                            examples, em.params["bit_width"])]
         else:
             if action[:1] == ("affine",):
                 values = [v / m if i in action[1] else v for i, v in enumerate(values)]
@@ -364,6 +393,26 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
             record[id(ef)] = list(outs)
         env.update(zip(em.outvars, outs))
     return [read(vm, vf) for vm, vf in zip(micro.outvars, full.outvars)]
+
+
+def _drawing_loop(ef: Any, em: Any, values: list, analysis: Separability, examples: Any
+                  ) -> list[Any]:
+    """A scan whose body draws per-example bits, run for one microbatch: its body evaluated
+    beside the full trace's, each draw the full batch's bits at `examples`."""
+    p = em.params
+    nc, ncarry = scan_counts(p)
+    body_f, _ = _open(ef.params["jaxpr"])
+    body_m, body_consts = _open(p["jaxpr"])
+    consts, init, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
+
+    def body(carry: list, x: list) -> tuple[list, list]:
+        outs = _run(body_f, body_m, body_consts, [*consts, *carry, *x], analysis,
+                    examples=examples)
+        return outs[:ncarry], outs[ncarry:]
+
+    carry, ys = jax.lax.scan(body, list(init), list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
 
 
 _MISSING = object()
