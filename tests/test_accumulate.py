@@ -219,6 +219,34 @@ def test_the_gradient_loop_runs_once_per_microbatch_in_one_program():
     assert text.count("stablehlo.while") == 1
 
 
+def test_two_draws_of_one_shape_keep_their_own_bits():
+    """Two dropouts of one shape: jax.random.bernoulli is jitted, so both call sites hold one
+    jaxpr object, and each draw must still be its own (found by the fuzzer: the second's bits
+    served both, a 1e-2 loss error)."""
+    def step(params, batch, key):
+        def loss_fn(p):
+            k1, k2 = jax.random.split(key)
+            h = jnp.tanh(batch["x"] @ p["w1"])
+            h = jnp.where(jax.random.bernoulli(k1, 0.7, h.shape), h / 0.7, 0.0)
+            h = jnp.tanh(h @ p["w2"])
+            h = jnp.where(jax.random.bernoulli(k2, 0.7, h.shape), h / 0.7, 0.0)
+            return ((h[:, :4] - batch["y"]) ** 2).mean()
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    _, (params, _), data = masked_setup()
+    params = {**params, "w2": jax.random.normal(jax.random.key(9), (16, 16)) / 4}
+    key = jax.random.key(3)
+    ref_params, ref_loss = jax.jit(step)(params, data, key)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), microbatches=2,
+                                    batch_argnums=1)
+    new_params, loss = sharded(params, data, key)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(np.asarray(new_params[name]), np.asarray(ref_params[name]),
+                                   rtol=1e-5, atol=1e-6)
+
+
 class DropoutBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):

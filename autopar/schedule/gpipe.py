@@ -115,7 +115,7 @@ def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int],
             leaves[k] = v
 
         def run_stack(values: list) -> list:
-            kinds, micro = analysis.loops[id(stack)]
+            kinds, micro = analysis.loops[(id(stack),)]
             return _pipeline(stack, micro, kinds, values, stages, microbatches, groups,
                              repeats)
         outs = _evaluate(full.jaxpr, list(full.consts), leaves, stack, run_stack)
@@ -156,7 +156,7 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
             continue
         p = eqn.params
         length, (nc, ncarry) = p["length"], scan_counts(p)
-        kinds = analysis.loops.get(id(eqn), (None,))[0]
+        kinds = analysis.loops.get((id(eqn),), (None,))[0]
         where = f"the loop of {length} at {eqn_source(eqn)}"
         if kinds is None:
             why.append(f"{where} mixes examples")
@@ -168,7 +168,7 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
             why.append(f"{where} loops over per-example values")
         elif any(id(v) in used_later for v in eqn.outvars[ncarry:]):
             why.append(f"{where} has per-layer outputs the loss uses")
-        elif analysis.actions.get(id(eqn)) == ("loop_draws",):
+        elif analysis.actions.get((id(eqn),)) == ("loop_draws",):
             why.append(f"{where} draws random numbers in its layers (dropout), which a "
                        "pipeline's stages do not draw per microbatch yet")
         else:

@@ -58,11 +58,15 @@ class Separability:
 
     def __init__(self, full: Any, micro: Any, microbatches: int, diff_leaves: Sequence[int]):
         self.full, self.microbatches, self.diff_leaves = full, microbatches, list(diff_leaves)
-        self.actions: dict[int, tuple] = {}
-        self.randoms: list[tuple[int, int]] = []  # (id of the drawing equation, its batch dim)
-        self.hoisted: list[int] = []  # ids of the equations computed at the full batch
-        # id of an examplewise scan -> its inputs' kinds, and its equation at one microbatch
-        self.loops: dict[int, tuple[list[Kind], Any]] = {}
+        # Equations are keyed by where they are: the ids of the calls and loops around them,
+        # then their own. An id alone is not enough: a jitted function (jax.random.bernoulli,
+        # say) called twice with the same shapes puts one jaxpr object at both call sites.
+        self.scope: tuple[int, ...] = ()
+        self.actions: dict[tuple[int, ...], tuple] = {}
+        self.randoms: list[tuple[tuple, int]] = []  # (key of the drawing equation, batch dim)
+        self.hoisted: list[tuple] = []  # keys of the equations computed at the full batch
+        # key of an examplewise scan -> its inputs' kinds, and its equation at one microbatch
+        self.loops: dict[tuple[int, ...], tuple[list[Kind], Any]] = {}
         self.depth = 0  # loops around the equations being analysed
         self.draws_in_loops = False  # a loop draws per-example bits: evaluate needs `examples`
         dep = set(self.diff_leaves)
@@ -124,9 +128,13 @@ class Separability:
         before = len(self.actions)
         ins = [self._kind(f.aval, m.aval, False, "a constant of the loss")
                for f, m in zip(inner_f.constvars, inner_m.constvars)]
-        outs = self._analyse(inner_f, inner_m, ins + kinds)
+        outer, self.scope = self.scope, (*self.scope, id(ef))
+        try:
+            outs = self._analyse(inner_f, inner_m, ins + kinds)
+        finally:
+            self.scope = outer
         if len(self.actions) > before:
-            self.actions[id(ef)] = ("inline",)
+            self.actions[(*self.scope, id(ef))] = ("inline",)
         return outs
 
     def _scan(self, ef: Any, em: Any, kinds: list[Kind], where: str) -> list[Kind]:
@@ -146,22 +154,24 @@ class Separability:
         ins = [self._kind(f.aval, m.aval, False, "a constant of a loop")
                for f, m in zip(body_f.constvars, body_m.constvars)]
         self.depth += 1
+        outer, self.scope = self.scope, (*self.scope, id(ef))
         try:
             outs = self._analyse(body_f, body_m, ins + kinds[:nc + ncarry] + inner)
         finally:
             self.depth -= 1
+            self.scope = outer
         added = [a[0] for a in list(self.actions.values())[before:]]
         if set(added) - {"drawn", "inline", "loop_draws"}:
             raise _refused(where, "computes from the batch alone what microbatches take from "
                                   "the full batch, inside a loop")
         if added:  # per-example random bits, drawn for each microbatch's own examples
-            self.actions[id(ef)] = ("loop_draws",)
+            self.actions[(*self.scope, id(ef))] = ("loop_draws",)
             self.draws_in_loops = True
         carry_in, carry_out = kinds[nc:nc + ncarry], outs[:ncarry]
         if any((a.batch, a.summed) != (b.batch, b.summed) for a, b in zip(carry_in, carry_out)):
             raise _refused(where, "carries a value that changes how it depends on the batch "
                                   "from one iteration to the next (a sum over the batch, say)")
-        self.loops[id(ef)] = (kinds, em)
+        self.loops[(*self.scope, id(ef))] = (kinds, em)
         return carry_out + [dataclasses.replace(k, batch=None if k.batch is None
                                                 else k.batch + 1) for k in outs[ncarry:]]
 
@@ -180,10 +190,10 @@ class Separability:
                     if why:
                         raise _refused(where, f"draws per-example random numbers inside a "
                                               f"loop, and {why}")
-                    self.actions[id(ef)] = ("drawn", outs[0].batch)
+                    self.actions[(*self.scope, id(ef))] = ("drawn", outs[0].batch)
                 elif name in RANDOM_DRAWS:
-                    self.actions[id(ef)] = ("random", len(self.randoms))
-                    self.randoms.append((id(ef), outs[0].batch))
+                    self.actions[(*self.scope, id(ef))] = ("random", len(self.randoms))
+                    self.randoms.append(((*self.scope, id(ef)), outs[0].batch))
                 elif name not in CREATING:
                     raise _refused(where, "makes per-example values from none")
                 return outs
@@ -192,8 +202,8 @@ class Separability:
             return outs
         if per_example:
             if not dep:
-                self.actions[id(ef)] = ("hoist",)
-                self.hoisted.append(id(ef))
+                self.actions[(*self.scope, id(ef))] = ("hoist",)
+                self.hoisted.append((*self.scope, id(ef)))
                 return [Kind() for _ in outs]
             if not _summing(ef, kinds):
                 raise _refused(where, "reduces over the batch other than by a sum")
@@ -201,7 +211,7 @@ class Separability:
         if summed:
             scaled = _linear(ef, kinds, where)
             if scaled:
-                self.actions[id(ef)] = ("affine", scaled)
+                self.actions[(*self.scope, id(ef))] = ("affine", scaled)
             return [Kind(None, True, True) for _ in outs]
         return outs
 
@@ -346,7 +356,8 @@ def evaluate(analysis: Separability, micro: Any, leaves: Sequence[Any],
 
 def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability,
          hoisted: dict | None = None, randoms: Sequence[Any] = (), wanted: set | None = None,
-         record: dict | None = None, examples: Any = None) -> list[Any]:
+         record: dict | None = None, examples: Any = None, scope: tuple[int, ...] = ()
+         ) -> list[Any]:
     """Evaluate `micro`, equation by equation beside `full`, doing what the analysis says:
     its literals are the full trace's (a mean's 1/B), hoisted values and random draws come
     from the full batch, and draws inside loops are the full batch's bits at `examples`. With
@@ -363,14 +374,15 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
         return env.get(vm, _MISSING)
 
     for ef, em in zip(full.eqns, micro.eqns):
-        action = analysis.actions.get(id(ef), ())
+        at = (*scope, id(ef))  # the equation's key, as Separability makes it
+        action = analysis.actions.get(at, ())
         values = [read(vm, vf) for vm, vf in zip(em.invars, ef.invars)]
         # (full-batch pass) what depends on what is differentiated is not computed here; a
         # call (a checkpointed layer, say) is entered all the same, for the draws inside it
         if any(v is _MISSING for v in values) and action[:1] != ("inline",):
             continue
         if action[:1] == ("hoist",) and hoisted is not None:
-            outs = hoisted[id(ef)]
+            outs = hoisted[at]
         elif action[:1] == ("random",) and wanted is None:
             outs = [randoms[action[1]]]
         elif action[:1] == ("inline",):
@@ -378,9 +390,9 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
             inner_f, _ = _open(ef.params[key])
             inner_m, inner_consts = _open(em.params[key])
             outs = _run(inner_f, inner_m, inner_consts, values, analysis, hoisted, randoms,
-                        wanted, record, examples)
+                        wanted, record, examples, at)
         elif action[:1] == ("loop_draws",) and wanted is None:
-            outs = _drawing_loop(ef, em, values, analysis, examples)
+            outs = _drawing_loop(ef, em, values, analysis, examples, at)
         elif action[:1] == ("drawn",) and wanted is None:
             assert examples is not None, "a draw inside a loop needs the microbatch's examples"
             outs = [bits_at(values[0], ef.params["shape"], em.params["shape"], action[1],
@@ -389,16 +401,17 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
             if action[:1] == ("affine",):
                 values = [v / m if i in action[1] else v for i, v in enumerate(values)]
             outs = bind_equation(em, values)
-        if record is not None and id(ef) in wanted:
-            record[id(ef)] = list(outs)
+        if record is not None and at in wanted:
+            record[at] = list(outs)
         env.update(zip(em.outvars, outs))
     return [read(vm, vf) for vm, vf in zip(micro.outvars, full.outvars)]
 
 
-def _drawing_loop(ef: Any, em: Any, values: list, analysis: Separability, examples: Any
-                  ) -> list[Any]:
+def _drawing_loop(ef: Any, em: Any, values: list, analysis: Separability, examples: Any,
+                  scope: tuple[int, ...]) -> list[Any]:
     """A scan whose body draws per-example bits, run for one microbatch: its body evaluated
-    beside the full trace's, each draw the full batch's bits at `examples`."""
+    beside the full trace's, each draw the full batch's bits at `examples`; `scope`: the
+    scan's key."""
     p = em.params
     nc, ncarry = scan_counts(p)
     body_f, _ = _open(ef.params["jaxpr"])
@@ -407,7 +420,7 @@ def _drawing_loop(ef: Any, em: Any, values: list, analysis: Separability, exampl
 
     def body(carry: list, x: list) -> tuple[list, list]:
         outs = _run(body_f, body_m, body_consts, [*consts, *carry, *x], analysis,
-                    examples=examples)
+                    examples=examples, scope=scope)
         return outs[:ncarry], outs[ncarry:]
 
     carry, ys = jax.lax.scan(body, list(init), list(xs), length=p["length"],
