@@ -11,6 +11,7 @@ is traced twice, at the full batch and at one microbatch (`separable.py` compare
 - what the loss computes from the batch alone and sums over it (a token count for a masked
   loss, say) is computed once, at the full batch, and used in every microbatch;
 - random numbers drawn per example (dropout) are drawn once for the full batch and sliced;
+  inside a loop, each microbatch draws its own examples' bits of the full draw (draws.py);
 - constants that depend on the batch size (the 1/B of a mean) are taken from the full trace.
 A loss that cannot be written as a sum over microbatches (batch statistics, in-batch negatives)
 is refused with the operation that makes it so.
