@@ -42,7 +42,8 @@ from autopar.errors import AutoparError
 from autopar.schedule.blocks import chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
-from autopar.schedule.separable import Separability, bind_equation, eqn_source
+from autopar.schedule.separable import (Separability, bind_equation, eqn_source, open_jaxpr,
+                                        run_equations)
 from autopar.schedule.stored import is_stored, stack_read
 from autopar.trace.shard import shard
 from autopar.trace.tracer import scan_counts
@@ -117,7 +118,7 @@ def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int],
         def run_stack(values: list) -> list:
             kinds, micro = analysis.loops[(id(stack),)]
             return _pipeline(stack, micro, kinds, values, stages, microbatches, groups,
-                             repeats)
+                             repeats, analysis)
         outs = _evaluate(full.jaxpr, list(full.consts), leaves, stack, run_stack)
         return outs[0], outs
 
@@ -168,9 +169,6 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
             why.append(f"{where} loops over per-example values")
         elif any(id(v) in used_later for v in eqn.outvars[ncarry:]):
             why.append(f"{where} has per-layer outputs the loss uses")
-        elif analysis.actions.get((id(eqn),)) == ("loop_draws",):
-            why.append(f"{where} draws random numbers in its layers (dropout), which a "
-                       "pipeline's stages do not draw per microbatch yet")
         else:
             found.append((length * len(p["jaxpr"].jaxpr.eqns), eqn))
     if not found:
@@ -185,7 +183,8 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
 
 
 def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
-              microbatches: int, groups: int = 1, repeats: int = 1) -> list:
+              microbatches: int, groups: int = 1, repeats: int = 1,
+              analysis: Separability | None = None) -> list:
     """The stack equation's outputs, computed by the pipeline (`micro`: the equation traced
     at one microbatch, or one share of one, whose body each stage runs).
 
@@ -195,11 +194,18 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     constants, broadcast [S, G, ...] before the loop. A copy's gradient is then that share's
     alone, so the loop carries per-share sums that need no reduction, and the broadcast's
     transpose adds the shares once, after the loop: stage-local data parallelism with the
-    gradient reduced once per step, not once per tick."""
+    gradient reduced once per step, not once per tick.
+
+    Where the layers draw random bits (dropout), each stage draws its microbatch's examples'
+    bits of the full batch's draw (draws.py): the examples' indices are streamed to the
+    stages with their microbatches."""
     p = eqn.params
     nc, ncarry = scan_counts(p)
     s, m, g, r = stages, microbatches, groups, repeats
-    body = jaxpr_as_fun(micro.params["jaxpr"])
+    draws = analysis is not None and analysis.actions.get((id(eqn),)) == ("loop_draws",)
+    plain = jaxpr_as_fun(micro.params["jaxpr"])
+    body = (_drawing_body(eqn, micro, analysis) if draws
+            else lambda examples, *args: plain(*args))
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     const_kinds, carry_kinds = kinds[:nc], kinds[nc:nc + ncarry]
     size = jnp.shape(carry[0])[carry_kinds[0].batch]
@@ -217,11 +223,13 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
                 if k.batch is not None}
+    # the examples' indices [M, (G,) B/(M G)], for the layers' draws only (None: no input)
+    examples = strided(jnp.arange(size, dtype=jnp.int32), m, g) if draws else None
     fixed = {i: copies(c, 0) for i, c in enumerate(consts) if i not in streamed}
     stage_ids = jnp.arange(s)
     stage = _stage(body, const_kinds, carry_kinds, ncarry, r)
     if g > 1:
-        stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None, None))
+        stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None, None, 0))
 
     # Per tick and stage, [T, S, ...] split over the stage axis, laid out before the loop:
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
@@ -231,11 +239,12 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     first = [_per_stage(jnp.where(_lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
              for x in inputs]
     streamed_xs = {i: _per_stage(v[index]) for i, v in streamed.items()}
+    examples_xs = None if examples is None else _per_stage(examples[index])
     delay = m - s  # ticks a pass waits between the last stage and the first's next repeat
 
     def tick(carried: tuple, xs: tuple) -> tuple[tuple, list]:
         state, waiting = carried
-        first_t, streamed_t, valid_t, repeat_t, fresh_t = xs
+        first_t, streamed_t, valid_t, repeat_t, fresh_t, examples_t = xs
         if r > 1:  # round the stages: the last stage's output reaches the first, which
             moved = [_per_stage(rotate(x), 0) for x in state]  # takes it `delay` ticks later
             back = [w[:, 0] for w in waiting] if delay else moved
@@ -246,15 +255,17 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
             moved = [_shift(x) for x in state]
         shifted = [jnp.where(_lead_mask(stage_ids == 0, f.ndim - 1), f, x)
                    for f, x in zip(first_t, moved)]
-        new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0, 0))(
-            layers, fixed, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t, repeat_t)
+        new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0, 0, 0))(
+            layers, fixed, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t, repeat_t,
+            examples_t)
         new = [_per_stage(x, 0) for x in new]
         return (new, waiting), new
 
     state = [_per_stage(jnp.zeros((s, *x.shape[1:]), x.dtype), 0) for x in inputs]
     waiting = [_per_stage(jnp.zeros((s, delay, *x.shape[1:]), x.dtype), 0) for x in inputs
                ] if r > 1 and delay else []
-    _, outputs = jax.lax.scan(tick, (state, waiting), (first, streamed_xs, valid, repeat, fresh))
+    _, outputs = jax.lax.scan(tick, (state, waiting),
+                              (first, streamed_xs, valid, repeat, fresh, examples_xs))
     # The last stage's outputs at the last M ticks (the last repeat's microbatches 0 .. M-1, in
     # order), taken by a sum over the stages masked to the last: an all-reduce of one stage's
     # outputs, where indexing the split dimension gathers every stage's.
@@ -283,11 +294,12 @@ def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
            repeats: int = 1) -> Callable:
     """One stage's computation at one tick (of one share): its layers in turn on its
     microbatch (carries with the batch dimension first), the stack's fixed constants `fixed`
-    ({position: value}), the streamed ones its microbatch's; `valid` False in the bubble.
+    ({position: value}), the streamed ones its microbatch's, `examples` its examples' indices
+    in the batch (`body` takes them first); `valid` False in the bubble.
     With `repeats` R > 1 the stage holds R chunks of layers, [R, L/(S R), ...], and runs the
     chunk of the pass's repeat."""
     def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any,
-              repeat: Any) -> list:
+              repeat: Any, examples: Any) -> list:
         if repeats > 1:
             layers_s = [jax.lax.dynamic_index_in_dim(x, repeat, 0, keepdims=False)
                         for x in layers_s]
@@ -298,12 +310,24 @@ def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
 
         def layer(c: list, x: list) -> tuple[list, None]:
             c = [jnp.moveaxis(v, 0, k.batch) for v, k in zip(c, carry_kinds)]
-            out = body(*consts_s, *c, *x)[:ncarry]
+            out = body(examples, *consts_s, *c, *x)[:ncarry]
             return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
         return jax.lax.scan(layer, carry_s, layers_s)[0]
     if repeats > 1:
         return jax.checkpoint(stage, policy=jax.checkpoint_policies.dots_saveable)
     return stage
+
+
+def _drawing_body(eqn: Any, micro: Any, analysis: Separability) -> Callable:
+    """The stack's layer at one microbatch, its random draws the full batch's bits at the
+    microbatch's examples (a function of those indices, then the layer's operands)."""
+    body_f, _ = open_jaxpr(eqn.params["jaxpr"])
+    body_m, consts = open_jaxpr(micro.params["jaxpr"])
+
+    def body(examples: Any, *args: Any) -> list:
+        return run_equations(body_f, body_m, consts, list(args), analysis, examples=examples,
+                             scope=(id(eqn),))
+    return body
 
 
 @jax.custom_vjp

@@ -123,8 +123,8 @@ class Separability:
 
     def _call(self, ef: Any, em: Any, kinds: list[Kind]) -> list[Kind]:
         key = CALL_PRIMITIVES[ef.primitive.name]
-        inner_f, consts_f = _open(ef.params[key])
-        inner_m, consts_m = _open(em.params[key])
+        inner_f, consts_f = open_jaxpr(ef.params[key])
+        inner_m, consts_m = open_jaxpr(em.params[key])
         before = len(self.actions)
         ins = [self._kind(f.aval, m.aval, False, "a constant of the loss")
                for f, m in zip(inner_f.constvars, inner_m.constvars)]
@@ -143,8 +143,8 @@ class Separability:
         body needs nothing done at the full batch."""
         p = ef.params
         nc, ncarry = scan_counts(p)
-        body_f, consts_f = _open(p["jaxpr"])
-        body_m, consts_m = _open(em.params["jaxpr"])
+        body_f, consts_f = open_jaxpr(p["jaxpr"])
+        body_m, consts_m = open_jaxpr(em.params["jaxpr"])
         xs = kinds[nc + ncarry:]
         if any(k.batch == 0 for k in xs):
             raise _refused(where, "loops over the examples of the batch")
@@ -312,7 +312,7 @@ def _linear(ef: Any, kinds: list[Kind], where: str) -> tuple[int, ...]:
     return ()
 
 
-def _open(jaxpr: Any) -> tuple[Any, list]:
+def open_jaxpr(jaxpr: Any) -> tuple[Any, list]:
     if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr, "consts"):
         return jaxpr.jaxpr, list(jaxpr.consts)
     return jaxpr, []
@@ -339,8 +339,8 @@ def hoisted_values(analysis: Separability, full: Any, leaves: Sequence[Any]
     wanted = set(analysis.hoisted) | {e for e, _ in analysis.randoms}
     diff = set(analysis.diff_leaves)
     inputs = [_MISSING if k in diff else x for k, x in enumerate(leaves)]
-    _run(full.jaxpr, full.jaxpr, list(full.consts), inputs, analysis, wanted=wanted,
-         record=values)
+    run_equations(full.jaxpr, full.jaxpr, list(full.consts), inputs, analysis, wanted=wanted,
+                  record=values)
     randoms = [(values[e][0], dim) for e, dim in analysis.randoms]
     return values, randoms
 
@@ -350,14 +350,14 @@ def evaluate(analysis: Separability, micro: Any, leaves: Sequence[Any],
              ) -> list[Any]:
     """The loss's outputs on one microbatch (`micro`: its jaxpr, traced for this microbatch);
     `examples`: the indices of its examples in the full batch, for draws inside loops."""
-    return _run(analysis.full.jaxpr, micro.jaxpr, list(micro.consts), list(leaves), analysis,
-                hoisted=hoisted, randoms=randoms, examples=examples)
+    return run_equations(analysis.full.jaxpr, micro.jaxpr, list(micro.consts), list(leaves),
+                         analysis, hoisted=hoisted, randoms=randoms, examples=examples)
 
 
-def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability,
-         hoisted: dict | None = None, randoms: Sequence[Any] = (), wanted: set | None = None,
-         record: dict | None = None, examples: Any = None, scope: tuple[int, ...] = ()
-         ) -> list[Any]:
+def run_equations(full: Any, micro: Any, consts: list, args: list, analysis: Separability,
+                  hoisted: dict | None = None, randoms: Sequence[Any] = (),
+                  wanted: set | None = None, record: dict | None = None, examples: Any = None,
+                  scope: tuple[int, ...] = ()) -> list[Any]:
     """Evaluate `micro`, equation by equation beside `full`, doing what the analysis says:
     its literals are the full trace's (a mean's 1/B), hoisted values and random draws come
     from the full batch, and draws inside loops are the full batch's bits at `examples`. With
@@ -387,10 +387,10 @@ def _run(full: Any, micro: Any, consts: list, args: list, analysis: Separability
             outs = [randoms[action[1]]]
         elif action[:1] == ("inline",):
             key = CALL_PRIMITIVES[ef.primitive.name]
-            inner_f, _ = _open(ef.params[key])
-            inner_m, inner_consts = _open(em.params[key])
-            outs = _run(inner_f, inner_m, inner_consts, values, analysis, hoisted, randoms,
-                        wanted, record, examples, at)
+            inner_f, _ = open_jaxpr(ef.params[key])
+            inner_m, inner_consts = open_jaxpr(em.params[key])
+            outs = run_equations(inner_f, inner_m, inner_consts, values, analysis, hoisted,
+                                 randoms, wanted, record, examples, at)
         elif action[:1] == ("loop_draws",) and wanted is None:
             outs = _drawing_loop(ef, em, values, analysis, examples, at)
         elif action[:1] == ("drawn",) and wanted is None:
@@ -414,13 +414,13 @@ def _drawing_loop(ef: Any, em: Any, values: list, analysis: Separability, exampl
     scan's key."""
     p = em.params
     nc, ncarry = scan_counts(p)
-    body_f, _ = _open(ef.params["jaxpr"])
-    body_m, body_consts = _open(p["jaxpr"])
+    body_f, _ = open_jaxpr(ef.params["jaxpr"])
+    body_m, body_consts = open_jaxpr(p["jaxpr"])
     consts, init, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
 
     def body(carry: list, x: list) -> tuple[list, list]:
-        outs = _run(body_f, body_m, body_consts, [*consts, *carry, *x], analysis,
-                    examples=examples, scope=scope)
+        outs = run_equations(body_f, body_m, body_consts, [*consts, *carry, *x], analysis,
+                             examples=examples, scope=scope)
         return outs[:ncarry], outs[ncarry:]
 
     carry, ys = jax.lax.scan(body, list(init), list(xs), length=p["length"],
