@@ -3,12 +3,15 @@ weights, so that the pipeline (gpipe.py) can run it as stages.
 
 `for block in blocks: x = block(x)` traces to L copies of the same equations, one after the
 other, each reading its own weights and the previous copy's output. `find_blocks` finds the
-longest such run: the equations' sequence repeats with some period P (same primitives, params,
-shapes and literals), and every input of a copy is
+longest such run: the equations' sequence repeats with some period P (same primitives, params
+and shapes), and every input of a copy is
 - computed inside the copy itself, at the same place in every copy;
 - a carry: the previous copy's value at one place (for the first copy, a value from before);
 - shared: one value from before the run, read by every copy (a mask, a constant);
-- per-layer: a distinct input of the loss in each copy (the layer's weights).
+- per-layer: a distinct input of the loss in each copy (the layer's weights), or a literal
+  that differs between copies (the constant each layer folds into its dropout key: Flax
+  derives a module's key from a hash of its name);
+- a literal, the same in every copy.
 Nothing of a copy is read after the run but the last copy's carries. `rolled` re-traces the
 jaxpr with the run replaced by a `lax.scan` of the first copy's equations over the per-layer
 values stacked [L, ...]: the loop gpipe.py pipelines, and whose gradient reaches each layer's
@@ -34,7 +37,8 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 class Blocks:
     """A run of `count` copies of `period` equations from equation `start`. `reads[(o, i)]`
     says where input i of the copy's o-th equation comes from: ("inner", o', n): output n of
-    its equation o'; ("carry", c); ("shared", s); ("layer", j); ("literal", value).
+    its equation o'; ("carry", c); ("shared", s); ("layer", j); ("literal", value);
+    ("numbered", k): the copy's own of the literals `numbered[k]` (one per copy).
     `carries[c]` = (o', n): the copy's output that the next copy reads as carry c;
     `inits[c]`, `shared[s]`: variables from before the run; `layers[j]`: one per copy."""
     start: int
@@ -45,6 +49,7 @@ class Blocks:
     inits: list
     shared: list
     layers: list
+    numbered: list = dataclasses.field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -86,12 +91,19 @@ def chain(jaxpr: Any, start: int, period: int, count: int) -> Blocks | None:
         for n, v in enumerate(eqns[e].outvars):
             defined[v] = ((e - start) // period, (e - start) % period, n)
     inputs = set(jaxpr.invars)  # what per-layer values may be: the loss's own inputs
-    reads, carries, inits, shared, layers = {}, [], [], [], []
+    reads, carries, inits, shared, layers, numbered = {}, [], [], [], [], []
     for o in range(period):
         for i, first in enumerate(eqns[start + o].invars):
             vs = [eqns[start + k * period + o].invars[i] for k in range(count)]
             if isinstance(first, Literal):
-                reads[(o, i)] = ("literal", first.val)
+                if not all(isinstance(v, Literal) for v in vs):
+                    return None
+                values = [v.val for v in vs]
+                if all(np.array_equal(x, values[0]) for x in values):
+                    reads[(o, i)] = ("literal", first.val)
+                else:
+                    numbered.append(np.asarray(values, dtype=first.aval.dtype))
+                    reads[(o, i)] = ("numbered", len(numbered) - 1)
                 continue
             where = [defined.get(v) for v in vs]
             if all(w is not None and w[0] == k for k, w in enumerate(where)):
@@ -125,7 +137,7 @@ def chain(jaxpr: Any, start: int, period: int, count: int) -> Blocks | None:
     if not carries or not _only_carries_leave(jaxpr, start, end, period, count, defined,
                                               carries):
         return None
-    return Blocks(start, period, count, reads, carries, inits, shared, layers)
+    return Blocks(start, period, count, reads, carries, inits, shared, layers, numbered)
 
 
 def _only_carries_leave(jaxpr: Any, start: int, end: int, period: int, count: int,
@@ -162,10 +174,13 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
             env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
         shared = [read(v) for v in blocks.shared]
         stacked = [jnp.stack([read(v) for v in vs]) for vs in blocks.layers]
+        numbered = [jnp.asarray(x) for x in blocks.numbered]
 
-        def layer(carry: list, weights: list) -> tuple[list, None]:
+        def layer(carry: list, xs: tuple[list, list]) -> tuple[list, None]:
             values: dict[tuple[int, int], Any] = {}
-            given = {"carry": carry, "shared": shared, "layer": weights}
+            weights, constants = xs
+            given = {"carry": carry, "shared": shared, "layer": weights,
+                     "numbered": constants}
             for o in range(blocks.period):
                 eqn = eqns[blocks.start + o]
                 ins = []
@@ -176,7 +191,7 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
                 values.update(((o, n), x) for n, x in enumerate(bind_equation(eqn, ins)))
             return [values[c] for c in blocks.carries], None
 
-        final, _ = jax.lax.scan(layer, [read(v) for v in blocks.inits], stacked,
+        final, _ = jax.lax.scan(layer, [read(v) for v in blocks.inits], (stacked, numbered),
                                 length=blocks.count)
         last = blocks.start + (blocks.count - 1) * blocks.period
         for (o, n), x in zip(blocks.carries, final):
@@ -192,13 +207,13 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
 
 
 def _signatures(eqns: list) -> np.ndarray:
-    """One integer per equation, equal where the equations do the same thing: primitive,
-    params (function objects' addresses blanked), operand and result types, literals."""
+    """One integer per equation, equal where the equations do the same thing but for their
+    literals' values (a layer's own constants, see `chain`): primitive, params (function
+    objects' addresses blanked), operand and result types."""
     ids: dict[str, int] = {}
     out = []
     for eqn in eqns:
-        ins = [f"lit {v.val!r} {v.aval}" if isinstance(v, Literal) else str(v.aval)
-               for v in eqn.invars]
+        ins = [f"lit {v.aval}" if isinstance(v, Literal) else str(v.aval) for v in eqn.invars]
         key = _ADDRESS.sub("", f"{eqn.primitive.name} {eqn.params} {ins} "
                                f"{[str(v.aval) for v in eqn.outvars]}")
         out.append(ids.setdefault(key, len(ids)))
