@@ -57,7 +57,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
 
     def full() -> Problem:  # the whole mesh's problem at this price
         return kept_problem(problems, "full", lambda: build_problem(
-            graph, mesh, hw, pinned, units=units, memo=problems)).priced(graph, mesh, memory_weight)
+            graph, mesh, hw, pinned, units=units, memo=problems)
+        ).priced(graph, mesh, memory_weight)
 
     if kept_budget is not None:
         if algorithm != "dynamic_programming":
@@ -96,8 +97,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
             tie = untied is None
             narrow = kept_problem(problems, ("narrow", tie), lambda: build_problem(
                 graph, mesh, hw, pinned, tie_layers=tie, units=units, narrow=True,
-                memo=problems)).priced(
-                    graph, mesh, memory_weight)
+                memo=problems)).priced(graph, mesh, memory_weight)
             problem, solution, space = _best_within_bound(problem, narrow, mesh)
     t1 = time.perf_counter()
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}

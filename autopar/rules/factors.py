@@ -139,7 +139,7 @@ def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool | str
         options = _strategies(rule, mesh, limit, False)
         first = scatter == "first"
         return options + tuple(v for s in options
-                               for v in _scattered(s, rule, mesh)[:1 if first else None])
+                               for v in scattered(s, rule, mesh)[:1 if first else None])
     factors = sorted(rule.sizes)
     axes = [a for a, s in zip(mesh.names, mesh.sizes) if s > 1]
     found: list[tuple[int, dict]] = []
@@ -155,9 +155,7 @@ def _strategies(rule: Rule, mesh: MeshShape, limit: int, scatter: bool | str
     return tuple(strategy(rule, mesh, a) for _, a in found[:limit])
 
 
-_scattered = functools.lru_cache(maxsize=1 << 16)(lambda s, rule, mesh: scattered(s, rule, mesh))
-
-
+@functools.lru_cache(maxsize=1 << 16)
 def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> tuple[Strategy, ...]:
     """The variants of `s` that reduce-scatter its partial sums along a result dimension they
     divide, one per such dimension, instead of all-reducing them: half the bytes, and the
