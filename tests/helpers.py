@@ -6,6 +6,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import autopar
 
@@ -55,3 +56,24 @@ def check_against_single_device(step, state, batch, mesh, steps=3, state_tol=1e-
         assert leaf.sharding.is_equivalent_to(
             jax.sharding.NamedSharding(mesh, want), leaf.ndim), (leaf.sharding, want)
     return plan
+
+
+def dropout_setup(model):
+    """(step, state, data) for a linen `model` with dropout, [16, 5, 8] -> [16, 3]: a squared
+    error under adamw, the dropout key passed beside the batch, the gradient through
+    autopar.value_and_grad (jax's own outside autopar)."""
+    tx = optax.adamw(1e-2)
+    x = jax.random.normal(jax.random.key(0), (16, 5, 8))
+    data = {"x": x, "y": jax.random.normal(jax.random.key(1), (16, 3))}
+    params = model.init({"params": jax.random.key(2), "dropout": jax.random.key(3)}, x)
+
+    def step(state, batch, key):
+        params, opt_state = state
+
+        def loss_fn(p):
+            out = model.apply(p, batch["x"], rngs={"dropout": key})
+            return ((out - batch["y"]) ** 2).mean()
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+    return step, (params, tx.init(params)), data

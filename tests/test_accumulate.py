@@ -7,7 +7,7 @@ import models
 import numpy as np
 import optax
 import pytest
-from helpers import check_against_single_device
+from helpers import check_against_single_device, dropout_setup
 from jax.sharding import PartitionSpec as P
 
 import autopar
@@ -265,24 +265,6 @@ class ScannedDropoutNet(nn.Module):
         return nn.Dense(3)(x).mean(1)
 
 
-def scanned_dropout_setup():
-    model, tx = ScannedDropoutNet(), optax.adamw(1e-2)
-    x = jax.random.normal(jax.random.key(0), (16, 5, 8))
-    data = {"x": x, "y": jax.random.normal(jax.random.key(1), (16, 3))}
-    params = model.init({"params": jax.random.key(2), "dropout": jax.random.key(3)}, x)
-
-    def step(state, batch, key):
-        params, opt_state = state
-
-        def loss_fn(p):
-            out = model.apply(p, batch["x"], rngs={"dropout": key})
-            return ((out - batch["y"]) ** 2).mean()
-        loss, grads = autopar.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-    return step, (params, tx.init(params)), data
-
-
 @pytest.mark.parametrize("microbatches,split,mesh,stages,repeats", [
     (2, False, {"data": 8}, 1, 1), (4, False, {"data": 8}, 1, 1), (2, True, {"data": 8}, 1, 1),
     (4, False, {"stage": 2, "data": 4}, 2, 1), (4, False, {"stage": 4, "data": 2}, 4, 1),
@@ -292,7 +274,7 @@ def test_dropout_inside_a_scanned_stack_equals_the_full_batch(microbatches, spli
     """Each microbatch draws its own examples' bits of every layer's full-batch draw
     (schedule/draws.py), accumulated or pipelined (GPipe, circular); `split`: the batch over 8
     devices, each microbatch as 8 shares."""
-    step, state, data = scanned_dropout_setup()
+    step, state, data = dropout_setup(ScannedDropoutNet())
     key = jax.random.key(7)
     ref_state, ref_loss = jax.jit(step)(state, data, key)
     other_state, _ = jax.jit(step)(state, data, jax.random.key(8))
@@ -315,7 +297,7 @@ def test_dropout_inside_a_scanned_stack_equals_the_full_batch(microbatches, spli
 
 
 def test_dropout_inside_a_stack_is_refused_where_it_cannot_be_drawn_per_microbatch():
-    step, state, data = scanned_dropout_setup()
+    step, state, data = dropout_setup(ScannedDropoutNet())
     rbg = jax.random.key(7, impl="rbg")  # its bits depend on the whole draw
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), microbatches=2,
                                     batch_argnums=1)

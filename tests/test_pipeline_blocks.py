@@ -8,7 +8,7 @@ import models
 import optax
 import pytest
 from flax import nnx
-from helpers import check_against_single_device
+from helpers import check_against_single_device, dropout_setup
 
 import autopar
 from autopar.cost.hlo import collectives
@@ -183,22 +183,7 @@ class DropoutLoop(nn.Module):
 @pytest.mark.parametrize("mesh, stages", [({"stage": 2, "data": 4}, 2),
                                           ({"stage": 4, "data": 2}, 4)])
 def test_a_python_loop_of_blocks_with_dropout_is_pipelined_equal_to_one_device(mesh, stages):
-    model, tx = DropoutLoop(), optax.adamw(1e-2)
-    x = jax.random.normal(jax.random.key(0), (16, 5, 8))
-    data = {"x": x, "y": jax.random.normal(jax.random.key(1), (16, 3))}
-    params = model.init({"params": jax.random.key(2), "dropout": jax.random.key(3)}, x)
-    state = (params, tx.init(params))
-
-    def step(state, batch, key):
-        params, opt_state = state
-
-        def loss_fn(p):
-            out = model.apply(p, batch["x"], rngs={"dropout": key})
-            return ((out - batch["y"]) ** 2).mean()
-        loss, grads = autopar.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
+    step, state, data = dropout_setup(DropoutLoop())
     key = jax.random.key(7)
     ref_state, ref_loss = jax.jit(step)(state, data, key)
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), microbatches=4,

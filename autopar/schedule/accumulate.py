@@ -42,7 +42,8 @@ from autopar.errors import AutoparError
 from autopar.schedule.layout import (diff_leaves, grads_shape, lead, regroup, strided,
                                        strided_dim, unstrided)
 from autopar.schedule.gpipe import pipelined_value_and_grad
-from autopar.schedule.separable import Separability, evaluate, hoisted_values
+from autopar.schedule.microbatch import evaluate, hoisted_values
+from autopar.schedule.separable import Separability
 
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
     "autopar_accumulation", default=None)

@@ -42,8 +42,8 @@ from autopar.errors import AutoparError
 from autopar.schedule.blocks import chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
-from autopar.schedule.separable import (Separability, bind_equation, eqn_source, open_jaxpr,
-                                        run_equations)
+from autopar.schedule.microbatch import run_equations
+from autopar.schedule.separable import Separability, bind_equation, eqn_source, open_jaxpr
 from autopar.schedule.stored import is_stored, stack_read
 from autopar.trace.shard import shard
 from autopar.trace.tracer import scan_counts
