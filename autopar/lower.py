@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.cost.model import partial_split
+from autopar.cost.model import partial_split, reshard_stops
 from autopar.lower_loop import pinnable_loop, run_loop, sharded_inside
 from autopar.plan import Decisions
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
@@ -114,9 +114,9 @@ class _Lowering:
             if need is not None:
                 spec = self.decisions.ops[need[0]].in_specs[need[1]]
                 if spec != produced.get(t):
-                    gathered = _gathered_first(produced.get(t), spec)
-                    if gathered is not None:
-                        value = self.constrain(value, gathered)
+                    source = produced.get(t)
+                    for stop in reshard_stops(source, spec) if source is not None else ():
+                        value = self.constrain(value, stop)
                     value = self.constrain(value, spec)
             values.append(value)
             read_as.append((self.graph.tensors[t].shape, spec))
@@ -226,24 +226,6 @@ def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
         out_shardings=[named(s) for s in out_specs],
         donate_argnums=tuple(sorted(graph.donated)),
     )
-
-
-def _gathered_first(src: Spec | None, dst: Spec) -> Spec | None:
-    """Where a resharding drops some axes and adds others, leaving the rest in place: `src`
-    without the dropped axes, to constrain to first. XLA's partitioner, given the two ends
-    alone, can find no pattern for some of these (layers split over 'data' on one dimension
-    becoming split over 'stage' on another: it gathers and slices, logging "Involuntary full
-    rematerialization"); in two steps it all-gathers and slices without a word, which is what
-    the cost model prices (cost.model.reshard_sequence). None otherwise."""
-    if src is None:
-        return None
-    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
-    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
-    dropped = where_src.keys() - where_dst.keys()
-    if not dropped or not where_dst.keys() - where_src.keys() or any(
-            where_src[a] != where_dst[a] for a in where_src.keys() & where_dst.keys()):
-        return None
-    return tuple(tuple(a for a in axes if a not in dropped) for axes in src)
 
 
 def _one_result(step: Step) -> bool:

@@ -258,3 +258,21 @@ def test_propagation_plans_compile_without_xla_warnings(capfd):
 
     jax.jit(unpatterned).lower(jax.ShapeDtypeStruct((16, 64), jnp.float32)).compile()
     assert "Involuntary full rematerialization" in capfd.readouterr().err
+
+
+def test_an_axis_moving_while_another_leaves_compiles_without_xla_warnings(capfd):
+    """Found by the fuzzer: a propagation plan of attention blocks in an nn.scan stack on
+    {a: 2, b: 4} reduce-scatters the output projection's gradient over ('a', 'b') on its last
+    dimension and reads it split over 'a' on its first. Given those two ends XLA gathered the
+    whole tensor, logging "Involuntary full rematerialization"; the lowering now gathers 'b'
+    and then moves 'a' (cost.model.reshard_stops). The step stays equal to one device."""
+    import fuzz_models
+
+    spec = fuzz_models.Spec(batch=16, seq=8, width=8, heads=2, inputs="tokens",
+                            blocks=("attention", "dense"), norm="layer", stack="nn_scan",
+                            lax_scan=True, head="tied", optimizer="adamw", seed=1)
+    step, state, batch = fuzz_models.build(spec)
+    check_against_single_device(step, state, batch, autopar.make_mesh({"a": 2, "b": 4}),
+                                search="sharding_propagation",
+                                annotations={r"^batch/(inputs|targets)$": P("b")})
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err

@@ -205,12 +205,74 @@ def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[tuple[in
             if (n := group_size(mesh, [a for a in src[d] if a in dropped])) > 1]
 
 
+def _places(spec: Spec) -> dict[str, tuple[int, int]]:
+    """Mesh axis -> (dimension, position within it) in `spec`."""
+    return {a: (d, k) for d, axes in enumerate(spec) for k, a in enumerate(axes)}
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def reshard_stops(src: Spec, dst: Spec) -> tuple[Spec, ...]:
+    """The shardings a resharding from `src` to `dst` is lowered through, in order (none
+    where XLA's partitioner, given the two ends, compiles it as `reshard_sequence` prices).
+
+    XLA's partitioner (jax 0.10.2) has no pattern for three kinds of resharding: given only
+    the two ends it gathers the whole tensor and slices, logging "Involuntary full
+    rematerialization":
+    - axes dropped and others added, the rest in place (layers split over 'data' on one
+      dimension becoming split over 'stage' on another);
+    - an axis moving to another dimension while another axis leaves the dimension it comes
+      from, none added (`P(None, None, ('a', 'b'))` becoming `P('a')`);
+    - axes moving from one dimension into two, or from two into one (`P(None, None, ('a',
+      'b'))` becoming `P('a', 'b')`).
+    Through these stops each step has a pattern: the axes dropped (and, in the last two, the
+    moving axes but one dimension's) are gathered, that dimension's axes move in one
+    all-to-all (before the gathers where they are the minor axes of their dimension), and the
+    axes left to add are sliced locally. Measured on XLA CPU, 8 devices (a, b) = (2, 4): the
+    second example on a (2, 4, 8) tensor gathered 256 bytes per device at once, and in steps
+    gathers 128 and moves 128 in an all-to-all, without the warning."""
+    where_src, where_dst = _places(src), _places(dst)
+    moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
+    dropped = [a for a in where_src if a not in where_dst]
+    added = any(a not in where_src for a in where_dst)
+    across = {(where_src[a][0], where_dst[a][0]) for a in moved
+              if where_src[a][0] != where_dst[a][0]}
+    if not moved:
+        return ((tuple(tuple(a for a in axes if a not in dropped) for axes in src),)
+                if dropped and added else ())
+    if not ((not added and any(p == where_src[b][0] for p, _ in across for b in dropped))
+            or any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in across for q in across)):
+        return ()
+    p, q = min(across)  # the axes moving from dimension p to q move in one all-to-all
+    carried = tuple(a for a in src[p] if a in moved and where_dst[a][0] == q)
+    left = [k for k, a in enumerate(src[p]) if a not in carried]
+    if left and min(left) < where_src[carried[0]][1]:
+        # The carried axes are minor in p: moved first, behind q's axes, the rest in place;
+        # then what is left (`P(None, ('data', 'model'))` to `P('model')` on 2x4: an
+        # all-to-all over 'model', then an all-gather over 'data').
+        first = tuple(tuple(a for a in axes if a not in carried) + (carried if d == q else ())
+                      for d, axes in enumerate(src))
+        return (first, *reshard_stops(first, dst))
+    # The carried axes lead in p: the axes that drop or move elsewhere are gathered first.
+    kept = (where_src.keys() - set(dropped) - set(moved)) | set(carried)
+    gathered = tuple(tuple(a for a in axes if a in kept) for axes in src)
+    arrived = tuple(tuple(a for a in axes if a in kept) for axes in dst)
+    return tuple(dict.fromkeys(s for s in (gathered, arrived) if s not in (src, dst)))
+
+
 @functools.lru_cache(maxsize=1 << 20)
 def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
                      ) -> tuple[tuple[str, int, float, int, tuple[str, ...]], ...]:
     """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
     devices in its group, its result's share of the tensor on one device, the dimension an
-    all-gather concatenates or -1, the mesh axes of its group).
+    all-gather concatenates or -1, the mesh axes of its group): those of each step between
+    the stops the lowering constrains to (`reshard_stops`)."""
+    ends = (src, *reshard_stops(src, dst), dst)
+    return tuple(c for a, b in zip(ends, ends[1:]) for c in _direct_sequence(a, b, mesh))
+
+
+def _direct_sequence(src: Spec, dst: Spec, mesh: MeshShape
+                     ) -> tuple[tuple[str, int, float, int, tuple[str, ...]], ...]:
+    """`reshard_sequence` of a resharding XLA's partitioner has a pattern for.
 
     Axes that move (within or across dimensions) are one all-to-all, but for axes only
     reordered within their dimensions (a collective-permute); axes dropped are gathered
@@ -218,18 +280,9 @@ def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
     after the all-gathers where an axis changes dimension and none is added (the gathered
     shard moves: `P('data', 'model')` to `P(None, 'data')` on 4x2 compiles to an all-gather
     over 'model', then an all-to-all of the (4, 64) shard), and before them otherwise, where
-    the partitioner first permutes shards within a dimension.
-
-    Two cases XLA's partitioner has no pattern for; it gathers the whole tensor and slices
-    ("involuntary full rematerialization" in its log), so every axis counts as dropped:
-    - an axis moves to another dimension while another axis leaves the dimension it comes
-      from, and no axis is added (a (16, 64) tensor `P(('data', 'model'))` becoming
-      `P(None, 'data')`);
-    - axes move from one dimension into two, or from two into one (`P(None, None, ('data',
-      'model'))` becoming `P('data', 'model')`).
-    docs/decisions.md has what this was measured against."""
-    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
-    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
+    the partitioner first permutes shards within a dimension. docs/decisions.md has what
+    this was measured against."""
+    where_src, where_dst = _places(src), _places(dst)
     moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
     dropped = [a for a in where_src if a not in where_dst]
     share = 1.0 / group_size(mesh, list(where_src))
@@ -243,9 +296,6 @@ def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
         # XLA CPU, jax 0.10.2: 8 MiB for a 64 MiB tensor, where an all-to-all was priced).
         axes = tuple(a for d in {where_dst[a][0] for a in moved} for a in dst[d])
         return (("collective-permute", 2, 1.0 / group_size(mesh, list(where_dst)), -1, axes),)
-    if ((not added and any(p == where_src[b][0] for p, _ in across for b in dropped))
-            or any(p != q and (p[0] == q[0] or p[1] == q[1]) for p in across for q in across)):
-        moved, dropped = [], list(where_src)  # the whole tensor, gathered
     gather_first = not added and bool(across) and bool(moved)
     steps: list[tuple[str, int, float, int, tuple[str, ...]]] = []
     if moved and not gather_first:
