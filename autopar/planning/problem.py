@@ -4,7 +4,7 @@ Only operators that change what sharding costs get a choice of their own (dot_ge
 reductions, gather/scatter, the step's inputs). Elementwise and layout operators follow the
 producer of their main operand: they form one node with it, so the graph the search sees has a
 node per decision, not per equation (MindSpore's elementwise_op_strategy_follow, Alpa's follow
-ties). Resharding between nodes becomes an edge's cost matrix.
+ties). Resharding between nodes becomes an edge's cost matrix (pricing.py prices both).
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import numpy as np
 import autopar_search as search
 from autopar.cost.hardware import Hardware
 from autopar.cost.facts import value_facts, weight_gradients
-from autopar.cost.model import op_signature, op_time, reshard_terms, shard_bytes
+from autopar.cost.model import op_signature, shard_bytes
 from autopar.mesh import MeshShape
+from autopar.planning.pricing import Resharding, resharding_edges, unit_costs
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
                            rule_for)
 from autopar.rules.factors import canonical, strategy
@@ -202,55 +203,19 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   if tie_layers and unit.tie is not None}
     node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
                                      pinned or {}, narrow)
-    op_costs, reshard = ({}, _Resharding(mesh, hw)) if memo is None else memo.setdefault(
-        ("pricing", mesh, hw), ({}, _Resharding(mesh, hw)))
+    op_costs, reshard = ({}, Resharding(mesh, hw)) if memo is None else memo.setdefault(
+        ("pricing", mesh, hw), ({}, Resharding(mesh, hw)))
 
     node_costs = [np.zeros(len(choices[r])) for r in roots]
     for u, unit in enumerate(units):
         if unit.op is not None:
-            node_costs[node_of[u]] += _unit_costs(unit, choices[u], graph, mesh, hw,
+            node_costs[node_of[u]] += unit_costs(unit, choices[u], graph, mesh, hw,
                                                   op_costs)
 
-    edges = _resharding(graph, units, producer, node_of, choices, reshard, node_costs)
+    edges = resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs)
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
     return Problem(cost_graph, units, node_of, choices, producer, roots)
-
-
-def _resharding(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
-               node_of: list[int], choices: list[list[Strategy]], reshard: _Resharding,
-               node_costs: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
-    """The edges that charge each operand's resharding from its producer's spec to what its
-    user needs; a resharding inside one node is added to `node_costs` instead."""
-    edges: list[tuple[int, int, np.ndarray]] = []
-
-    def connect(t: int, src: tuple[int, str, int], dst: tuple[int, str, int], scale: float):
-        """Charge resharding `t` from its producer's spec (unit, side, index) to what the
-        user (unit, side, index) needs."""
-        a, b = node_of[src[0]], node_of[dst[0]]
-        srcs = reshard.specs(choices[src[0]], *src[1:])
-        dsts = reshard.specs(choices[dst[0]], *dst[1:])
-        if a == b and srcs is dsts:  # the operand arrives as produced: nothing to move
-            return
-        seconds = reshard.cost(graph.tensors[t], srcs, dsts, paired=a == b)
-        if a == b:  # both lists are indexed by the same node's strategies
-            node_costs[a] += scale * seconds
-        elif seconds.any():
-            edges.append((a, b, scale * seconds))
-
-    for u, unit in enumerate(units):
-        for i, t in enumerate(unit.inputs):
-            if graph.tensors[t].const or t not in producer:
-                continue
-            p, k = producer[t]
-            connect(t, (p, "out", k), (u, "in", i), unit.op.operand_repeat(i) if unit.op else 1)
-    # The state a step returns is the next step's input: its sharding should not change.
-    for out_index, in_index in graph.state_pairs.items():
-        t_out, t_in = graph.outputs[out_index], graph.inputs[in_index]
-        if t_out in producer and t_in in producer:
-            p, k = producer[t_out]
-            connect(t_out, (p, "out", k), (producer[t_in][0], "out", 0), 1.0)
-    return edges
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
@@ -322,72 +287,6 @@ def pinned_strategy(rule: Rule, mesh: MeshShape, spec: Spec) -> Strategy:
     """The strategy of a one-result rule whose result has `spec` (checked by annotate)."""
     dims = rule.results[0]
     return strategy(rule, mesh, {f: axes for f, axes in zip(dims, spec) if f and axes})
-
-
-def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:
-    index: dict[Spec, int] = {}
-    idx = np.array([index.setdefault(s, len(index)) for s in specs], dtype=np.int64)
-    return idx, list(index)
-
-
-class _Resharding:
-    """Resharding cost tables, kept per pair of spec lists: the cost is linear in the tensor's
-    bytes, so one pair of term tables serves every tensor of those specs. Units of a repeated
-    layer share strategy lists, so most lookups are by identity."""
-
-    def __init__(self, mesh: MeshShape, hw: Hardware) -> None:
-        self.mesh, self.hw = mesh, hw
-        self._specs: dict[tuple, tuple[list[Strategy], tuple[Spec, ...]]] = {}
-        self._lists: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
-        self._terms: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-
-    def specs(self, strategies: list[Strategy], side: str, index: int) -> tuple[Spec, ...]:
-        """The spec of operand (side 'in') or result ('out') `index` under each strategy, as
-        one shared tuple per distinct content."""
-        key = (id(strategies), side, index)
-        if key not in self._specs:  # the entry keeps `strategies` alive: its id stays unique
-            specs = tuple(s.in_specs[index] if side == "in" else s.out_specs[index]
-                          for s in strategies)
-            self._specs[key] = (strategies, self._lists.setdefault(specs, specs))
-        return self._specs[key][1]
-
-    def cost(self, tensor: Tensor, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...],
-             paired: bool) -> np.ndarray:
-        """Seconds per (src, dst): elementwise when `paired`, else a matrix."""
-        key = (id(srcs), id(dsts), paired)
-        if key not in self._terms:
-            src_idx, src_list = _distinct(srcs)
-            dst_idx, dst_list = _distinct(dsts)
-            table = np.array([reshard_terms(s, d, self.mesh, self.hw)
-                              for s in src_list for d in dst_list],
-                             dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
-            table = table[src_idx, dst_idx] if paired else table[np.ix_(src_idx, dst_idx)]
-            self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
-        latency, per_byte = self._terms[key]
-        return latency + per_byte * tensor.nbytes
-
-
-def _unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
-                mesh: MeshShape, hw: Hardware, memo: dict[tuple, Any]) -> np.ndarray:
-    """Compute plus communication seconds of the unit's op under each strategy.
-
-    `memo` is shared by all units (and by every build of one graph on one mesh): units of one
-    `cost_key` cost the same under the same strategy, and units of a repeated layer share
-    their strategy list.
-    """
-    op = unit.op
-    if "facts" not in memo:  # once per graph: an equal graph from another trace hashes alike
-        memo["facts"] = value_facts(graph)  # but compares op by op in the cache
-    key = (unit.cost_key, id(strategies))
-    if key not in memo:
-        known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
-        for s in strategies:  # strategies are shared objects, alive for the whole build
-            if id(s) not in known:
-                compute, comm = op_time(op, s, graph.tensors, mesh, hw, memo["facts"])
-                known[id(s)] = compute + comm
-        # The entry keeps the list alive, so that its id stays unique.
-        memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))
-    return memo[key][1]
 
 
 def _memory_bytes(graph: OpGraph, units: list[Unit], choices: list[list[Strategy]],

@@ -31,7 +31,7 @@ from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.schedule.accumulate import batch_size
-from autopar.schedule.gpipe import STAGE_AXIS
+from autopar.schedule.ticks import STAGE_AXIS
 from autopar.schedule.microbatches import planned_within
 
 if TYPE_CHECKING:

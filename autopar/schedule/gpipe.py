@@ -21,8 +21,8 @@ ticks); the stages' values move on by one rotation (schedule/rotate.py), the las
 the first, which takes it M - S ticks later (M >= S).
 Ticks where a stage has no microbatch (the bubble, (S-1)/(R M+S-1) of the stage's time) compute
 on stand-in values whose results are dropped; their inputs and weights pass through
-`bubble_cut`, which zeroes their gradients there, so whatever they compute (a NaN from
-zeros, say) never reaches a gradient.
+`bubble_cut` (ticks.py, with the rest of a tick), which zeroes their gradients there, so
+whatever they compute (a NaN from zeros, say) never reaches a gradient.
 
 The stack must keep examples apart (separable.py checks every operation of it), carry only
 per-example values, and leave its per-layer outputs unused; the rest of the loss must be a sum
@@ -42,13 +42,12 @@ from autopar.errors import AutoparError
 from autopar.schedule.blocks import chain, find_blocks, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
-from autopar.schedule.microbatch import run_equations
-from autopar.schedule.separable import Separability, bind_equation, eqn_source, open_jaxpr
-from autopar.schedule.stored import is_stored, stack_read
+from autopar.schedule.separable import Separability, bind_equation, eqn_source
+from autopar.schedule.ticks import (STAGE_AXIS, drawing_body, lead_mask, passes, per_stage,
+                                    shift, stage_layers, stage_step)
 from autopar.trace.shard import shard
 from autopar.trace.tracer import scan_counts
 
-STAGE_AXIS = "stage"
 
 
 def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
@@ -204,7 +203,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     s, m, g, r = stages, microbatches, groups, repeats
     draws = analysis is not None and analysis.actions.get((id(eqn),)) == ("loop_draws",)
     plain = jaxpr_as_fun(micro.params["jaxpr"])
-    body = (_drawing_body(eqn, micro, analysis) if draws
+    body = (drawing_body(eqn, micro, analysis) if draws
             else lambda examples, *args: plain(*args))
     consts, carry, xs = values[:nc], values[nc:nc + ncarry], values[nc + ncarry:]
     const_kinds, carry_kinds = kinds[:nc], kinds[nc:nc + ncarry]
@@ -218,7 +217,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         return x if g == 1 else jnp.broadcast_to(
             jnp.expand_dims(x, lead), (*shape[:lead], g, *shape[lead:]))
 
-    layers = [shard(copies(_stage_layers(x, s, r, i), 1), PartitionSpec(STAGE_AXIS))
+    layers = [shard(copies(stage_layers(x, s, r, i), 1), PartitionSpec(STAGE_AXIS))
               for i, x in enumerate(xs)]
     inputs = [micro(c, k.batch) for c, k in zip(carry, carry_kinds)]
     streamed = {i: micro(c, k.batch) for i, (c, k) in enumerate(zip(consts, const_kinds))
@@ -227,7 +226,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     examples = strided(jnp.arange(size, dtype=jnp.int32), m, g) if draws else None
     fixed = {i: copies(c, 0) for i, c in enumerate(consts) if i not in streamed}
     stage_ids = jnp.arange(s)
-    stage = _stage(body, const_kinds, carry_kinds, ncarry, r)
+    stage = stage_step(body, const_kinds, carry_kinds, ncarry, r)
     if g > 1:
         stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None, None, 0))
 
@@ -235,34 +234,34 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
     # each stage computes. Inside the loop each stage reads its own (no collective), and the
     # gradient of the first stage's inputs leaves the loop as one [T, S, ...] value.
-    valid, index, repeat, fresh = _passes(s, m, r)
-    first = [_per_stage(jnp.where(_lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
+    valid, index, repeat, fresh = passes(s, m, r)
+    first = [per_stage(jnp.where(lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
              for x in inputs]
-    streamed_xs = {i: _per_stage(v[index]) for i, v in streamed.items()}
-    examples_xs = None if examples is None else _per_stage(examples[index])
+    streamed_xs = {i: per_stage(v[index]) for i, v in streamed.items()}
+    examples_xs = None if examples is None else per_stage(examples[index])
     delay = m - s  # ticks a pass waits between the last stage and the first's next repeat
 
     def tick(carried: tuple, xs: tuple) -> tuple[tuple, list]:
         state, waiting = carried
         first_t, streamed_t, valid_t, repeat_t, fresh_t, examples_t = xs
         if r > 1:  # round the stages: the last stage's output reaches the first, which
-            moved = [_per_stage(rotate(x), 0) for x in state]  # takes it `delay` ticks later
+            moved = [per_stage(rotate(x), 0) for x in state]  # takes it `delay` ticks later
             back = [w[:, 0] for w in waiting] if delay else moved
             waiting = [jnp.concatenate([w[:, 1:], v[:, None]], axis=1)
                        for w, v in zip(waiting, moved)] if delay else waiting
             first_t = [jnp.where(fresh_t, f, b) for f, b in zip(first_t, back)]
         else:
-            moved = [_shift(x) for x in state]
-        shifted = [jnp.where(_lead_mask(stage_ids == 0, f.ndim - 1), f, x)
+            moved = [shift(x) for x in state]
+        shifted = [jnp.where(lead_mask(stage_ids == 0, f.ndim - 1), f, x)
                    for f, x in zip(first_t, moved)]
         new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0, 0, 0))(
-            layers, fixed, [_per_stage(x, 0) for x in shifted], streamed_t, valid_t, repeat_t,
+            layers, fixed, [per_stage(x, 0) for x in shifted], streamed_t, valid_t, repeat_t,
             examples_t)
-        new = [_per_stage(x, 0) for x in new]
+        new = [per_stage(x, 0) for x in new]
         return (new, waiting), new
 
-    state = [_per_stage(jnp.zeros((s, *x.shape[1:]), x.dtype), 0) for x in inputs]
-    waiting = [_per_stage(jnp.zeros((s, delay, *x.shape[1:]), x.dtype), 0) for x in inputs
+    state = [per_stage(jnp.zeros((s, *x.shape[1:]), x.dtype), 0) for x in inputs]
+    waiting = [per_stage(jnp.zeros((s, delay, *x.shape[1:]), x.dtype), 0) for x in inputs
                ] if r > 1 and delay else []
     _, outputs = jax.lax.scan(tick, (state, waiting),
                               (first, streamed_xs, valid, repeat, fresh, examples_xs))
@@ -270,119 +269,11 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     # order), taken by a sum over the stages masked to the last: an all-reduce of one stage's
     # outputs, where indexing the split dimension gathers every stage's.
     last = stage_ids == s - 1
-    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(_lead_mask(last, y.ndim - 2), y[-m:],
+    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(lead_mask(last, y.ndim - 2), y[-m:],
                                                      0), axis=1), size, g), 0, k.batch)
             for y, k in zip(outputs, carry_kinds)]
     unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
     return outs + unused
-
-
-def _passes(stages: int, microbatches: int, repeats: int) -> tuple[Any, Any, Any, Any]:
-    """Per tick and stage [T, S]: whether the stage computes a pass (not the bubble), the
-    pass's microbatch and its round; per tick [T]: whether the first stage takes a new
-    microbatch. Stage s computes at tick t the (t-s)-th of the R M passes: microbatch
-    (t-s) mod M, in round (t-s) div M."""
-    passes = (jnp.arange(repeats * microbatches + stages - 1)[:, None]
-              - jnp.arange(stages)[None, :])
-    held = jnp.clip(passes, 0, repeats * microbatches - 1)
-    fresh = passes[:, 0] < microbatches
-    return ((passes >= 0) & (passes < repeats * microbatches), held % microbatches,
-            held // microbatches, fresh)
-
-
-def _stage(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
-           repeats: int = 1) -> Callable:
-    """One stage's computation at one tick (of one share): its layers in turn on its
-    microbatch (carries with the batch dimension first), the stack's fixed constants `fixed`
-    ({position: value}), the streamed ones its microbatch's, `examples` its examples' indices
-    in the batch (`body` takes them first); `valid` False in the bubble.
-    With `repeats` R > 1 the stage holds R chunks of layers, [R, L/(S R), ...], and runs the
-    chunk of the pass's repeat."""
-    def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any,
-              repeat: Any, examples: Any) -> list:
-        if repeats > 1:
-            layers_s = [jax.lax.dynamic_index_in_dim(x, repeat, 0, keepdims=False)
-                        for x in layers_s]
-        layers_s = [bubble_cut(x, valid) for x in layers_s]
-        carry_s = [bubble_cut(c, valid) for c in carry_s]
-        consts_s = [jnp.moveaxis(streamed_s[i], 0, kind.batch) if i in streamed_s
-                    else fixed[i] for i, kind in enumerate(const_kinds)]
-
-        def layer(c: list, x: list) -> tuple[list, None]:
-            c = [jnp.moveaxis(v, 0, k.batch) for v, k in zip(c, carry_kinds)]
-            out = body(examples, *consts_s, *c, *x)[:ncarry]
-            return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
-        return jax.lax.scan(layer, carry_s, layers_s)[0]
-    if repeats > 1:
-        return jax.checkpoint(stage, policy=jax.checkpoint_policies.dots_saveable)
-    return stage
-
-
-def _drawing_body(eqn: Any, micro: Any, analysis: Separability) -> Callable:
-    """The stack's layer at one microbatch, its random draws the full batch's bits at the
-    microbatch's examples (a function of those indices, then the layer's operands)."""
-    body_f, _ = open_jaxpr(eqn.params["jaxpr"])
-    body_m, consts = open_jaxpr(micro.params["jaxpr"])
-
-    def body(examples: Any, *args: Any) -> list:
-        return run_equations(body_f, body_m, consts, list(args), analysis, examples=examples,
-                             scope=(id(eqn),))
-    return body
-
-
-@jax.custom_vjp
-def bubble_cut(x: Any, valid: Any) -> Any:
-    """`x` itself, its gradient zero where `valid` is False (a tick of the bubble), whatever
-    it is there (a NaN, say). Written as `where(valid, x, stop_gradient(x))`, the forward pass
-    makes a new value every tick, and the backward pass keeps each tick's copy of the
-    stage's layers (a 4-stage GPT at d_model 512 held 19 copies, 441 MB a device at 16
-    microbatches against 332 at 8); returned as it came in, the layers stay one loop
-    constant and the loop keeps only `valid` per tick."""
-    return x
-
-
-def _bubble_cut_forward(x: Any, valid: Any) -> tuple[Any, Any]:
-    return x, valid
-
-
-def _bubble_cut_backward(valid: Any, grad: Any) -> tuple[Any, None]:
-    return jnp.where(valid, grad, jnp.zeros_like(grad)), None
-
-
-bubble_cut.defvjp(_bubble_cut_forward, _bubble_cut_backward)
-
-
-def _stage_layers(x: Any, stages: int, repeats: int, index: int) -> Any:
-    """The stack's per-layer input `index`, [L, ...], as each stage holds it: [S, L/S, ...],
-    layers s L/S .. of stage s; with R repeats [S, R, L/(S R), ...], chunk r of stage s the
-    layers of the (r S + s)-th of the S R consecutive chunks (the circular schedule's
-    placement). There its read is marked, for the planning to find whether it may be stored
-    in that placement, and where it is (stored.py) it is read as stored."""
-    length, rest = x.shape[0], x.shape[1:]
-    if repeats > 1:
-        x = stack_read(x, index)
-    if repeats == 1 or is_stored(index):
-        return jnp.reshape(x, (stages, *([repeats] if repeats > 1 else []),
-                               length // (stages * repeats), *rest))
-    chunks = jnp.reshape(x, (repeats, stages, length // (stages * repeats), *rest))
-    return jnp.swapaxes(chunks, 0, 1)
-
-
-def _shift(x: Any) -> Any:
-    """Stage s's value moved to stage s+1 (zeros into the first): one pad by (1, -1), which
-    XLA compiles to a collective-permute where a concatenation of slices becomes two
-    all-to-alls (XLA CPU, jax 0.10.2)."""
-    return jax.lax.pad(x, jnp.zeros((), x.dtype), [(1, -1, 0)] + [(0, 0, 0)] * (x.ndim - 1))
-
-
-def _per_stage(x: Any, dim: int = 1) -> Any:
-    """`x` with its dimension `dim` (the stages') split over the stage axis."""
-    return shard(x, PartitionSpec(*[None] * dim, STAGE_AXIS))
-
-
-def _lead_mask(mask: Any, trailing: int) -> Any:
-    """`mask` with `trailing` unit dimensions after it, to broadcast against values."""
-    return jnp.reshape(mask, (*mask.shape, *[1] * trailing))
 
 
 def _evaluate(jaxpr: Any, consts: list, args: list, stack: Any, run_stack: Callable) -> list:

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.schedule.accumulate import batch_size, step_of
-from autopar.schedule.gpipe import STAGE_AXIS
+from autopar.schedule.ticks import STAGE_AXIS
 from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape

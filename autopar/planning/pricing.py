@@ -1,0 +1,120 @@
+"""What a problem's nodes and edges cost: each operator's seconds per strategy, and the
+resharding of each operand between its producer's strategies and its reader's, priced once
+per graph and mesh (the tables are shared by every build, see problem.build_problem)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from autopar.cost.facts import value_facts
+from autopar.cost.hardware import Hardware
+from autopar.cost.model import op_time, reshard_terms
+from autopar.mesh import MeshShape
+from autopar.rules import Spec, Strategy
+from autopar.trace.ir import OpGraph, Tensor
+
+if TYPE_CHECKING:
+    from autopar.planning.problem import Unit
+
+
+def resharding_edges(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
+               node_of: list[int], choices: list[list[Strategy]], reshard: Resharding,
+               node_costs: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
+    """The edges that charge each operand's resharding from its producer's spec to what its
+    user needs; a resharding inside one node is added to `node_costs` instead."""
+    edges: list[tuple[int, int, np.ndarray]] = []
+
+    def connect(t: int, src: tuple[int, str, int], dst: tuple[int, str, int], scale: float):
+        """Charge resharding `t` from its producer's spec (unit, side, index) to what the
+        user (unit, side, index) needs."""
+        a, b = node_of[src[0]], node_of[dst[0]]
+        srcs = reshard.specs(choices[src[0]], *src[1:])
+        dsts = reshard.specs(choices[dst[0]], *dst[1:])
+        if a == b and srcs is dsts:  # the operand arrives as produced: nothing to move
+            return
+        seconds = reshard.cost(graph.tensors[t], srcs, dsts, paired=a == b)
+        if a == b:  # both lists are indexed by the same node's strategies
+            node_costs[a] += scale * seconds
+        elif seconds.any():
+            edges.append((a, b, scale * seconds))
+
+    for u, unit in enumerate(units):
+        for i, t in enumerate(unit.inputs):
+            if graph.tensors[t].const or t not in producer:
+                continue
+            p, k = producer[t]
+            connect(t, (p, "out", k), (u, "in", i), unit.op.operand_repeat(i) if unit.op else 1)
+    # The state a step returns is the next step's input: its sharding should not change.
+    for out_index, in_index in graph.state_pairs.items():
+        t_out, t_in = graph.outputs[out_index], graph.inputs[in_index]
+        if t_out in producer and t_in in producer:
+            p, k = producer[t_out]
+            connect(t_out, (p, "out", k), (producer[t_in][0], "out", 0), 1.0)
+    return edges
+
+
+def _distinct(specs: list[Spec]) -> tuple[np.ndarray, list[Spec]]:
+    index: dict[Spec, int] = {}
+    idx = np.array([index.setdefault(s, len(index)) for s in specs], dtype=np.int64)
+    return idx, list(index)
+
+
+class Resharding:
+    """Resharding cost tables, kept per pair of spec lists: the cost is linear in the tensor's
+    bytes, so one pair of term tables serves every tensor of those specs. Units of a repeated
+    layer share strategy lists, so most lookups are by identity."""
+
+    def __init__(self, mesh: MeshShape, hw: Hardware) -> None:
+        self.mesh, self.hw = mesh, hw
+        self._specs: dict[tuple, tuple[list[Strategy], tuple[Spec, ...]]] = {}
+        self._lists: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
+        self._terms: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def specs(self, strategies: list[Strategy], side: str, index: int) -> tuple[Spec, ...]:
+        """The spec of operand (side 'in') or result ('out') `index` under each strategy, as
+        one shared tuple per distinct content."""
+        key = (id(strategies), side, index)
+        if key not in self._specs:  # the entry keeps `strategies` alive: its id stays unique
+            specs = tuple(s.in_specs[index] if side == "in" else s.out_specs[index]
+                          for s in strategies)
+            self._specs[key] = (strategies, self._lists.setdefault(specs, specs))
+        return self._specs[key][1]
+
+    def cost(self, tensor: Tensor, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...],
+             paired: bool) -> np.ndarray:
+        """Seconds per (src, dst): elementwise when `paired`, else a matrix."""
+        key = (id(srcs), id(dsts), paired)
+        if key not in self._terms:
+            src_idx, src_list = _distinct(srcs)
+            dst_idx, dst_list = _distinct(dsts)
+            table = np.array([reshard_terms(s, d, self.mesh, self.hw)
+                              for s in src_list for d in dst_list],
+                             dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
+            table = table[src_idx, dst_idx] if paired else table[np.ix_(src_idx, dst_idx)]
+            self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
+        latency, per_byte = self._terms[key]
+        return latency + per_byte * tensor.nbytes
+
+
+def unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
+                mesh: MeshShape, hw: Hardware, memo: dict[tuple, Any]) -> np.ndarray:
+    """Compute plus communication seconds of the unit's op under each strategy.
+
+    `memo` is shared by all units (and by every build of one graph on one mesh): units of one
+    `cost_key` cost the same under the same strategy, and units of a repeated layer share
+    their strategy list.
+    """
+    op = unit.op
+    if "facts" not in memo:  # once per graph: an equal graph from another trace hashes alike
+        memo["facts"] = value_facts(graph)  # but compares op by op in the cache
+    key = (unit.cost_key, id(strategies))
+    if key not in memo:
+        known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
+        for s in strategies:  # strategies are shared objects, alive for the whole build
+            if id(s) not in known:
+                compute, comm = op_time(op, s, graph.tensors, mesh, hw, memo["facts"])
+                known[id(s)] = compute + comm
+        # The entry keeps the list alive, so that its id stays unique.
+        memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))
+    return memo[key][1]
