@@ -225,11 +225,28 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     # the examples' indices [M, (G,) B/(M G)], for the layers' draws only (None: no input)
     examples = strided(jnp.arange(size, dtype=jnp.int32), m, g) if draws else None
     fixed = {i: copies(c, 0) for i, c in enumerate(consts) if i not in streamed}
-    stage_ids = jnp.arange(s)
     stage = stage_step(body, const_kinds, carry_kinds, ncarry, r)
     if g > 1:
         stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None, None, 0))
 
+    outputs = _loop(stage, layers, fixed, inputs, streamed, examples, s, m, r)
+    # The last stage's outputs at the last M ticks (the last repeat's microbatches 0 .. M-1, in
+    # order), taken by a sum over the stages masked to the last: an all-reduce of one stage's
+    # outputs, where indexing the split dimension gathers every stage's.
+    last = jnp.arange(s) == s - 1
+    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(lead_mask(last, y.ndim - 2), y[-m:],
+                                                     0), axis=1), size, g), 0, k.batch)
+            for y, k in zip(outputs, carry_kinds)]
+    unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+    return outs + unused
+
+
+def _loop(stage: Callable, layers: list, fixed: dict, inputs: list, streamed: dict,
+          examples: Any, s: int, m: int, r: int) -> list:
+    """The loop of R M + S - 1 ticks: each tick every stage runs `stage` on what the stage
+    before it computed the tick before (the first stage on a new microbatch of `inputs`);
+    each stage's outputs per tick, [T, S, ...]."""
+    stage_ids = jnp.arange(s)
     # Per tick and stage, [T, S, ...] split over the stage axis, laid out before the loop:
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
     # each stage computes. Inside the loop each stage reads its own (no collective), and the
@@ -263,17 +280,8 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     state = [per_stage(jnp.zeros((s, *x.shape[1:]), x.dtype), 0) for x in inputs]
     waiting = [per_stage(jnp.zeros((s, delay, *x.shape[1:]), x.dtype), 0) for x in inputs
                ] if r > 1 and delay else []
-    _, outputs = jax.lax.scan(tick, (state, waiting),
-                              (first, streamed_xs, valid, repeat, fresh, examples_xs))
-    # The last stage's outputs at the last M ticks (the last repeat's microbatches 0 .. M-1, in
-    # order), taken by a sum over the stages masked to the last: an all-reduce of one stage's
-    # outputs, where indexing the split dimension gathers every stage's.
-    last = stage_ids == s - 1
-    outs = [jnp.moveaxis(unstrided(jnp.sum(jnp.where(lead_mask(last, y.ndim - 2), y[-m:],
-                                                     0), axis=1), size, g), 0, k.batch)
-            for y, k in zip(outputs, carry_kinds)]
-    unused = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[ncarry:]]
-    return outs + unused
+    return jax.lax.scan(tick, (state, waiting),
+                        (first, streamed_xs, valid, repeat, fresh, examples_xs))[1]
 
 
 def _evaluate(jaxpr: Any, consts: list, args: list, stack: Any, run_stack: Callable) -> list:
