@@ -18,9 +18,10 @@ if TYPE_CHECKING:
     from autopar.planning.problem import Unit
 
 
-def resharding_edges(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
-               node_of: list[int], choices: list[list[Strategy]], reshard: Resharding,
-               node_costs: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
+def resharding_edges(graph: OpGraph, units: list[Unit],
+                     producer: dict[int, tuple[int, int]], node_of: list[int],
+                     choices: list[list[Strategy]], reshard: Resharding,
+                     node_costs: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
     """The edges that charge each operand's resharding from its producer's spec to what its
     user needs; a resharding inside one node is added to `node_costs` instead."""
     edges: list[tuple[int, int, np.ndarray]] = []

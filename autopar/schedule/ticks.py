@@ -30,7 +30,7 @@ def passes(stages: int, microbatches: int, repeats: int) -> tuple[Any, Any, Any,
 
 
 def stage_step(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
-           repeats: int = 1) -> Callable:
+               repeats: int = 1) -> Callable:
     """One stage's computation at one tick (of one share): its layers in turn on its
     microbatch (carries with the batch dimension first), the stack's fixed constants `fixed`
     ({position: value}), the streamed ones its microbatch's, `examples` its examples' indices
