@@ -210,7 +210,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     for u, unit in enumerate(units):
         if unit.op is not None:
             node_costs[node_of[u]] += unit_costs(unit, choices[u], graph, mesh, hw,
-                                                  op_costs)
+                                                 op_costs)
 
     edges = resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs)
     names = tuple(units[r].name for r in roots)
