@@ -80,6 +80,46 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     assert compiled == predicted
 
 
+def test_every_resharding_of_a_matrix_compiles_without_xla_warnings(capfd):
+    """Every resharding of a (16, 32) tensor between the shardings it can take on a 2x4 mesh
+    (110 pairs), constrained through the stops the lowering uses, compiles without XLA's
+    "Involuntary full rematerialization"; given only the two ends, 12 of them log it."""
+    import itertools
+    import os
+    import tempfile
+
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from autopar.cost.model import reshard_stops
+    from autopar.rules.factors import to_partition_spec
+    names = ("a", "b")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), names)
+    specs = sorted({tuple(tuple(a for a in order if dims[names.index(a)] == d) for d in range(2))
+                    for dims in itertools.product(range(3), repeat=2)
+                    for order in itertools.permutations(names)})
+    warned = []
+    for src, dst in itertools.permutations(specs, 2):
+        def resharded(x, stops=reshard_stops(src, dst), dst=dst):
+            for stop in (*stops, dst):
+                x = jax.lax.with_sharding_constraint(
+                    x * 1, NamedSharding(mesh, to_partition_spec(stop)))
+            return x
+        with tempfile.TemporaryFile() as log:  # XLA logs from C++, to file descriptor 2
+            saved = os.dup(2)
+            os.dup2(log.fileno(), 2)
+            try:
+                jax.jit(resharded, in_shardings=NamedSharding(mesh, to_partition_spec(src))
+                        ).lower(jax.ShapeDtypeStruct((16, 32), "float32")).compile()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            log.seek(0)
+            if b"Involuntary full rematerialization" in log.read():
+                warned.append((src, dst))
+    assert len(specs) == 11 and not warned, warned
+
+
 @pytest.mark.parametrize("sizes, src, dst", [
     # an axis changes dimension while another leaves the one it comes from: given the two
     # ends XLA gathers the whole tensor (the ResNet's Megatron + data parallel plan on 4x2 has
