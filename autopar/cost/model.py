@@ -205,9 +205,18 @@ def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[tuple[in
             if (n := group_size(mesh, [a for a in src[d] if a in dropped])) > 1]
 
 
-def _places(spec: Spec) -> dict[str, tuple[int, int]]:
-    """Mesh axis -> (dimension, position within it) in `spec`."""
-    return {a: (d, k) for d, axes in enumerate(spec) for k, a in enumerate(axes)}
+def _changes(src: Spec, dst: Spec) -> tuple[dict, dict, list, list, bool, set]:
+    """What a resharding changes: each axis's (dimension, position) in `src` and in `dst`, the
+    axes that move (within or across dimensions), those dropped, whether any is added, and
+    the (source, destination) dimension pairs the moving axes cross."""
+    where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
+    where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
+    moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
+    dropped = [a for a in where_src if a not in where_dst]
+    added = any(a not in where_src for a in where_dst)
+    across = {(where_src[a][0], where_dst[a][0]) for a in moved
+              if where_src[a][0] != where_dst[a][0]}
+    return where_src, where_dst, moved, dropped, added, across
 
 
 @functools.lru_cache(maxsize=1 << 20)
@@ -215,9 +224,10 @@ def reshard_stops(src: Spec, dst: Spec) -> tuple[Spec, ...]:
     """The shardings a resharding from `src` to `dst` is lowered through, in order (none
     where XLA's partitioner, given the two ends, compiles it as `reshard_sequence` prices).
 
-    XLA's partitioner (jax 0.10.2) has no pattern for three kinds of resharding: given only
-    the two ends it gathers the whole tensor and slices, logging "Involuntary full
-    rematerialization":
+    Given only the two ends of three kinds of resharding, XLA's partitioner (jax 0.10.2) can
+    find no pattern: it gathers the whole tensor and slices, logging "Involuntary full
+    rematerialization" (on a 2x4 mesh, every one of the last two kinds and 12 of the 18 of
+    the first among the reshardings of a 3-D tensor):
     - axes dropped and others added, the rest in place (layers split over 'data' on one
       dimension becoming split over 'stage' on another);
     - an axis moving to another dimension while another axis leaves the dimension it comes
@@ -230,12 +240,7 @@ def reshard_stops(src: Spec, dst: Spec) -> tuple[Spec, ...]:
     axes left to add are sliced locally. Measured on XLA CPU, 8 devices (a, b) = (2, 4): the
     second example on a (2, 4, 8) tensor gathered 256 bytes per device at once, and in steps
     gathers 128 and moves 128 in an all-to-all, without the warning."""
-    where_src, where_dst = _places(src), _places(dst)
-    moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
-    dropped = [a for a in where_src if a not in where_dst]
-    added = any(a not in where_src for a in where_dst)
-    across = {(where_src[a][0], where_dst[a][0]) for a in moved
-              if where_src[a][0] != where_dst[a][0]}
+    where_src, where_dst, moved, dropped, added, across = _changes(src, dst)
     if not moved:
         return ((tuple(tuple(a for a in axes if a not in dropped) for axes in src),)
                 if dropped and added else ())
@@ -282,13 +287,8 @@ def _direct_sequence(src: Spec, dst: Spec, mesh: MeshShape
     over 'model', then an all-to-all of the (4, 64) shard), and before them otherwise, where
     the partitioner first permutes shards within a dimension. docs/decisions.md has what
     this was measured against."""
-    where_src, where_dst = _places(src), _places(dst)
-    moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]
-    dropped = [a for a in where_src if a not in where_dst]
+    where_src, where_dst, moved, dropped, added, across = _changes(src, dst)
     share = 1.0 / group_size(mesh, list(where_src))
-    added = any(a not in where_src for a in where_dst)
-    across = {(where_src[a][0], where_dst[a][0]) for a in moved
-              if where_src[a][0] != where_dst[a][0]}
     if moved and not dropped and not across:
         # Axes reordered within their dimensions (`P('model')` to `P(('data', 'model'))`): a
         # device's new block is not inside its old one, and XLA fetches it whole from the
