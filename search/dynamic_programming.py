@@ -56,6 +56,8 @@ def _min_last(
         terms = [t.reshape(1, -1) for t in terms]
         best, arg = _min_last(terms, (1, shape[0]), dtype)
         return best.reshape(()), arg.reshape(())
+    if len(terms) > 2:
+        terms = _absorbed(terms)
     per_row = math.prod(shape[1:])
     step = max(1, _SLAB_ENTRIES // per_row)
     best = np.empty(shape[:-1])
@@ -73,6 +75,24 @@ def _min_last(
         arg[lo:hi] = a
         best[lo:hi] = np.take_along_axis(out, a[..., None], axis=-1)[..., 0]
     return best, arg
+
+
+def _absorbed(terms: list[np.ndarray]) -> list[np.ndarray]:
+    """``terms`` with each one whose axes lie within another's added into that one first, in
+    its smaller shape: the joint table then takes one pass per term left. A hub's
+    elimination summed 46 tables into a table of 941,192 entries, 3 of them not within
+    another's."""
+    axes = [frozenset(i for i, d in enumerate(t.shape) if d > 1) for t in terms]
+    hosts: list[int] = []
+    merged: dict[int, np.ndarray] = {}
+    for k in sorted(range(len(terms)), key=lambda k: -len(axes[k])):  # widest first
+        host = next((h for h in hosts if axes[k] <= axes[h]), None)
+        if host is None:
+            hosts.append(k)
+            merged[k] = terms[k]
+        else:  # broadcasts to the host's shape: its axes hold all of the term's
+            merged[host] = merged[host] + terms[k]
+    return [merged[h] for h in hosts]
 
 
 def _eliminate(

@@ -56,6 +56,7 @@ class Unit:
     op: Op | None  # None for an input of the step
     cost_key: tuple = ()  # cost.model.op_signature of the op
     tie: int | None = None  # the unit whose strategies it takes (layers.repeated_ties)
+    main: int | None = None  # the operand it follows (main_operand); None: it decides
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ def make_units(graph: OpGraph) -> list[Unit]:
             rule = replicated_rule(ins, outs)
         rule = canonical(rule)
         units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
-                          op_signature(op, graph.tensors, facts)))
+                          op_signature(op, graph.tensors, facts),
+                          main=main_operand(rule, op, graph)))
     for primitive, sources in missing.items() if jax.process_index() == 0 else ():
         named = sorted({s for s in sources if s}) or ["inside a jax function"]
         where = "; ".join(named[:3]) + (" ..." if len(named) > 3 else "")
@@ -156,21 +158,21 @@ def _input_rule(tensor: Tensor) -> Rule:
     return Rule((), (names,), {f"d{k}": d for k, d in enumerate(tensor.shape) if d > 1})
 
 
-def main_operand(unit: Unit, graph: OpGraph) -> int | None:
-    """The operand a follower takes its sharding from: the first non-constant one of the
+def main_operand(rule: Rule, op: Op, graph: OpGraph) -> int | None:
+    """The operand of `op` (under `rule`) a follower takes its sharding from: the first non-constant one of the
     result's shape, else the first non-constant one. None for a unit that decides: a
     decider, and an operator whose result is at least GROWTH times its main operand (a
     broadcast, a one-hot): following, it could not split the dimensions it creates, and
     everything after it would follow it replicated (a MoE's (tokens, experts, capacity)
     routing tensors stayed whole on every device, where XLA's propagation splits them over the
     experts of the product that reads them)."""
-    live = [i for i, t in enumerate(unit.inputs) if not graph.tensors[t].const]
-    if not live or unit.op is None or unit.op.primitive in DECIDERS or not unit.rule.sizes:
+    live = [i for i, t in enumerate(op.inputs) if not graph.tensors[t].const]
+    if not live or op.primitive in DECIDERS or not rule.sizes:
         return None
-    result = graph.tensors[unit.outputs[0]]
-    same = [i for i in live if graph.tensors[unit.inputs[i]].shape == result.shape]
+    result = graph.tensors[op.outputs[0]]
+    same = [i for i in live if graph.tensors[op.inputs[i]].shape == result.shape]
     main = (same or live)[0]
-    if math.prod(result.shape) >= GROWTH * math.prod(graph.tensors[unit.inputs[main]].shape):
+    if math.prod(result.shape) >= GROWTH * math.prod(graph.tensors[op.inputs[main]].shape):
         return None
     return main
 
@@ -236,7 +238,7 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     roots: list[int] = []
     derived: dict[tuple, list[Strategy]] = {}
     for u, unit in enumerate(units):
-        main = main_operand(unit, graph)
+        main = unit.main
         source = producer.get(unit.inputs[main]) if main is not None else None
         fixed = pinned.get(unit.outputs[0]) if unit.outputs else None
         if fixed is not None:
@@ -276,7 +278,7 @@ def untied_node_count(graph: OpGraph, units: list[Unit], pinned: dict[int, Spec]
     producer = {t: u for u, unit in enumerate(units) for t in unit.outputs}
     count = 0
     for u, unit in enumerate(units):
-        main = main_operand(unit, graph)
+        main = unit.main
         source = producer.get(unit.inputs[main]) if main is not None else None
         pinned_here = bool(unit.outputs) and unit.outputs[0] in pinned
         count += pinned_here or source is None or source >= u

@@ -18,7 +18,7 @@ from typing import Sequence
 from autopar.errors import collect_errors
 from autopar.mesh import MeshShape
 from autopar.plan import Decision, Decisions, OpDecision, Plan, Repeat
-from autopar.planning.problem import main_operand, make_units
+from autopar.planning.problem import make_units
 from autopar.rules import Spec, Strategy, enumerate_strategies, follow
 from autopar.rules.factors import canonical
 from autopar.rules.kinds import decides
@@ -142,7 +142,7 @@ def _rebuilt_ops(graph: OpGraph, decided: Sequence[Decision | Repeat],
             made.append((input_specs[unit.outputs[0]],))
             continue
         d = recorded.get(unit.op.id)
-        main = main_operand(unit, graph)
+        main = unit.main
         source = producer.get(unit.inputs[main]) if main is not None else None
         if d is not None:
             st = _strategy(d.in_specs, d.out_specs, d.partial_axes, shape)

@@ -12,7 +12,7 @@ from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions
 from autopar.planning.axes import merged_within, rounds_within, solve_recursive
-from autopar.planning.problem import (Problem, Unit, build_problem, kept_problem, main_operand,
+from autopar.planning.problem import (Problem, Unit, build_problem, kept_problem,
                                       make_units, untied_node_count)
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace.ir import OpGraph
@@ -169,7 +169,7 @@ def tied_units(problem: Problem, graph: OpGraph) -> int:
     for u, unit in enumerate(problem.units):
         if unit.tie is None or problem.node_of[u] != problem.node_of[unit.tie]:
             continue
-        main = main_operand(unit, graph)
+        main = unit.main
         source = problem.producer.get(unit.inputs[main]) if main is not None else None
         count += source is None or source[0] >= u
     return count
