@@ -13,6 +13,10 @@ import numpy as np
 from .costgraph import CostGraph, InfeasibleError
 
 
+# Rows x rows x columns up to which ``dominated`` compares every pair directly.
+_ALL_AT_ONCE = 1 << 14
+
+
 class Reduced:
     """Mutable working copy of a graph: one merged matrix per adjacent pair."""
 
@@ -133,9 +137,15 @@ def dominated(blocks: list[np.ndarray]) -> np.ndarray:
     comes first.  Per-block row sums (``inf`` clipped to a finite ceiling)
     are a necessary condition, as clipping and floating-point summation are
     both monotone, so all pairs are screened on those few numbers and only
-    the survivors are compared column by column.
+    the survivors are compared column by column. Few rows of few columns
+    are compared all at once: the screening costs more than it saves there.
     """
     k = blocks[0].shape[0]
+    if k * k * sum(b.shape[1] for b in blocks) <= _ALL_AT_ONCE:
+        feats = np.hstack(blocks)
+        dom = (feats[:, None, :] <= feats[None, :, :]).all(axis=2)
+        np.fill_diagonal(dom, False)
+        return _beaten(dom)
     gone = np.ones(k, dtype=bool)
     # Strategies often differ only in their own cost (same layout towards
     # every neighbour); a dictionary on the neighbour-facing part settles
@@ -173,7 +183,14 @@ def dominated(blocks: list[np.ndarray]) -> np.ndarray:
         pb, pa = pb[ok], pa[ok]
     dom = np.zeros((k, k), dtype=bool)
     dom[pb, pa] = True
-    earlier = np.arange(k)[:, None] < np.arange(k)[None, :]
-    # Equal rows dominate each other; only the later one of such a pair goes.
-    gone[rep[~(dom & (~dom.T | earlier)).any(axis=0)]] = False
+    gone[rep[~_beaten(dom)]] = False
     return gone
+
+
+def _beaten(dom: np.ndarray) -> np.ndarray:
+    """Rows ``a`` with some ``b`` where ``dom[b, a]`` (``b`` dominates ``a``)
+    strictly, or equally and ``b`` comes first: equal rows dominate each
+    other, and only the later one of such a pair goes."""
+    k = dom.shape[0]
+    earlier = np.arange(k)[:, None] < np.arange(k)[None, :]
+    return (dom & (~dom.T | earlier)).any(axis=0)

@@ -145,6 +145,29 @@ def test_pruning_removes_duplicates_and_keeps_optimum() -> None:
     assert (sol.choice < 4).all()  # the lowest index of equal strategies survives
 
 
+def test_dominated_rows_by_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways `dominated` compares rows (all pairs at once for small blocks, screened by
+    row sums for large ones) drop exactly the rows another row is <= everywhere, strictly
+    or equal and earlier. The first block is the node's own cost, one column."""
+    from autopar_search import reduction
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        k = int(rng.integers(2, 9))
+        widths = [1, *rng.integers(1, 5, size=int(rng.integers(0, 3)))]
+        blocks = [rng.integers(0, 3, size=(k, int(w))).astype(float) for w in widths]
+        blocks[0][rng.random(blocks[0].shape) < 0.1] = math.inf
+        feats = np.hstack(blocks)
+        want = np.array([any((feats[b] <= feats[a]).all()
+                             and (not (feats[a] <= feats[b]).all() or b < a)
+                             for b in range(k) if b != a) for a in range(k)])
+        direct = reduction.dominated(blocks)
+        with monkeypatch.context() as m:
+            m.setattr(reduction, "_ALL_AT_ONCE", 0)
+            screened = reduction.dominated(blocks)
+        assert (direct == want).all() and (screened == want).all(), trial
+
+
 def test_trivial_graphs() -> None:
     single = CostGraph((np.array([3.0, 1.0, 2.0]),), ())
     sol = solve(single)
