@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from autopar.cost.model import ValueFacts
+from autopar.cost.model import ValueFacts, op_signature
 from autopar.cost.xla import buffer_model
 from autopar.rules.kinds import FUSED, SUMMING
 from autopar.trace.analysis import per_graph
@@ -52,6 +52,13 @@ def value_facts(graph: OpGraph) -> ValueFacts:
     combined = {t: len(sums) for sums in loops.values() for t in sums}
     return ValueFacts(buffer_model(graph.compiler).fused_values(graph),
                       MappingProxyType(combined))
+
+
+@per_graph  # the units of every search, and the cost of every plan, of the graph
+def op_signatures(graph: OpGraph) -> tuple[tuple, ...]:
+    """cost.model.op_signature of each of the graph's operators."""
+    facts = value_facts(graph)
+    return tuple(op_signature(op, graph.tensors, facts) for op in graph.ops)
 
 
 def terminal_values(graph: OpGraph) -> frozenset[int]:

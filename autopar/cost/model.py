@@ -18,6 +18,7 @@ from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
 from autopar.rules.kinds import FUSED, FUSING_READERS, ROTATE, SCATTER_ADD
 from autopar.rules.layout import shifts
+from autopar.trace.analysis import per_graph
 from autopar.trace.ir import Op, OpGraph, Tensor
 
 
@@ -85,6 +86,7 @@ def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:
     return float(max([out_elems] + [math.prod(t.shape) for t in ins]))
 
 
+@per_graph  # asked by every memory estimate of the graph
 def fused_values(graph: OpGraph) -> frozenset[int]:
     """Values an ideal fusing compiler never writes to memory: made by an operator it fuses
     into its readers, and read only by operators that take fused producers in (loop fusions,

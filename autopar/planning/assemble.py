@@ -7,8 +7,8 @@ from typing import Any, Sequence
 from autopar.cost.hardware import Hardware
 from autopar.cost.estimate import MemoryEstimate
 from autopar.cost.memory import memory_json, plan_memory
-from autopar.cost.facts import value_facts
-from autopar.cost.model import (op_collectives, op_signature, op_time, reshard_collectives,
+from autopar.cost.facts import op_signatures, value_facts
+from autopar.cost.model import (op_collectives, op_time, reshard_collectives,
                                 reshard_time, shard_bytes)
 from autopar.cost.xla import BufferModel, buffer_model
 from autopar.mesh import MeshShape
@@ -75,9 +75,9 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
     recomputed = recomputed_ops(graph, decisions.recompute)
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
-    facts = value_facts(graph)
+    facts, signatures = value_facts(graph), op_signatures(graph)
     for op, st in zip(graph.ops, decisions.ops):
-        key = (op_signature(op, tensors, facts), st)
+        key = (signatures[op.id], st)
         if key not in known:
             known[key] = (op_time(op, st, tensors, mesh, hw, facts),
                           op_collectives(op, st, tensors, mesh))

@@ -92,7 +92,8 @@ class Resharding:
             table = np.array([reshard_terms(s, d, self.mesh, self.hw)
                               for s in src_list for d in dst_list],
                              dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
-            table = table[src_idx, dst_idx] if paired else table[np.ix_(src_idx, dst_idx)]
+            table = (table[src_idx, dst_idx] if paired
+                     else table.take(src_idx, axis=0).take(dst_idx, axis=1))
             self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
         latency, per_byte = self._terms[key]
         return latency + per_byte * tensor.nbytes

@@ -20,8 +20,8 @@ import numpy as np
 
 import autopar_search as search
 from autopar.cost.hardware import Hardware
-from autopar.cost.facts import value_facts, weight_gradients
-from autopar.cost.model import op_signature, shard_bytes
+from autopar.cost.facts import op_signatures, weight_gradients
+from autopar.cost.model import shard_bytes
 from autopar.mesh import MeshShape
 from autopar.planning.pricing import Resharding, resharding_edges, unit_costs
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
@@ -130,7 +130,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
         if not tensor.const:
             units.append(Unit(tensor.path or f"input {t}", _input_rule(tensor), (), (t,), None))
     missing: dict[str, list[str]] = defaultdict(list)
-    facts = value_facts(graph)
+    signatures = op_signatures(graph)
     for op in graph.ops:
         ins = [graph.tensors[t].shape for t in op.inputs]
         outs = [graph.tensors[t].shape for t in op.outputs]
@@ -140,7 +140,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
             rule = replicated_rule(ins, outs)
         rule = canonical(rule)
         units.append(Unit(f"{op.primitive} #{op.id}", rule, op.inputs, op.outputs, op,
-                          op_signature(op, graph.tensors, facts),
+                          signatures[op.id],
                           main=main_operand(rule, op, graph)))
     for primitive, sources in missing.items() if jax.process_index() == 0 else ():
         named = sorted({s for s in sources if s}) or ["inside a jax function"]
