@@ -159,13 +159,13 @@ def _input_rule(tensor: Tensor) -> Rule:
 
 
 def main_operand(rule: Rule, op: Op, graph: OpGraph) -> int | None:
-    """The operand of `op` (under `rule`) a follower takes its sharding from: the first non-constant one of the
-    result's shape, else the first non-constant one. None for a unit that decides: a
-    decider, and an operator whose result is at least GROWTH times its main operand (a
-    broadcast, a one-hot): following, it could not split the dimensions it creates, and
-    everything after it would follow it replicated (a MoE's (tokens, experts, capacity)
-    routing tensors stayed whole on every device, where XLA's propagation splits them over the
-    experts of the product that reads them)."""
+    """The operand of `op` (under `rule`) a follower takes its sharding from: the first
+    non-constant one of the result's shape, else the first non-constant one. None where the
+    op decides: a decider, and an operator whose result is at least GROWTH times its main
+    operand (a broadcast, a one-hot): following, it could not split the dimensions it
+    creates, and everything after it would follow it replicated (a MoE's (tokens, experts,
+    capacity) routing tensors stayed whole on every device, where XLA's propagation splits
+    them over the experts of the product that reads them)."""
     live = [i for i, t in enumerate(op.inputs) if not graph.tensors[t].const]
     if not live or op.primitive in DECIDERS or not rule.sizes:
         return None
