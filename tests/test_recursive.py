@@ -174,3 +174,19 @@ def test_an_elimination_wider_than_its_estimate_falls_back_to_the_bounded_answer
     plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 8},
                         search="dynamic_programming")
     assert "lower_bound" in plan.search_stats and "one_axis_at_a_time_s" in plan.search_stats
+
+
+def test_a_three_axis_mesh_plans_as_well_as_its_two_axis_merge():
+    """An encoder-decoder on 2x2x2 (h100): bounded elimination of the whole space, with every
+    axis a choice of its own, was planned at 0.2113 ms, the axis recursion no better, where
+    the same devices as 2x4 are planned at 0.2076. With two neighbouring axes taken as one the
+    three-axis problem holds the 2x4 plan, and finds it."""
+    import architectures
+    step, state, batch = architectures.encdec_abstract(batch=16, seq=128, vocab=8192,
+                                                       d_model=256, heads=4, layers=1)
+    two = autopar.plan(step, state, batch, mesh={"data": 2, "model": 4}, hardware="h100")
+    three = autopar.plan(step, state, batch, mesh={"data": 2, "model": 2, "inner": 2},
+                         hardware="h100")
+    assert three.search_stats["exact"] is False  # the bounded candidates decided
+    assert "axes_paired_s" in three.search_stats
+    assert three.cost["total_s"] <= two.cost["total_s"] * (1 + 1e-9)
