@@ -8,10 +8,14 @@ it in time linear in the graph. Where a round's problem is narrow enough for exa
 with small tables (it usually is: a handful of strategies per node), the round is solved
 exactly instead. The rounds together are not the optimum of the whole mesh: what an early
 round decided stays. Where the first round splits nothing, all axes taken as one are tried as
-well (`_merged_rounds`). Any mesh shape works: axes of any size, indivisible dimensions are
-never offered to an axis that does not divide them.
+well (`_merged_rounds`). Inside a whole-mesh problem the same restrictions serve
+dynamic_programming's bounded search: one axis at a time, all axes as one, two neighbouring
+axes as one (`rounds_within`, `merged_within`, `paired_within`). Any mesh shape works: axes
+of any size, indivisible dimensions are never offered to an axis that does not divide them.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -93,11 +97,7 @@ def merged_within(problem: Problem, mesh: MeshShape) -> search.Solution:
             and sorted(a for _, used in s.assignment for a in used) == axes)
             for s in problem.choices[r]])
         keep.append(mask if mask.any() else np.ones(len(mask), dtype=bool))
-    answer, _ = solve_round(problem.graph.restricted(keep))
-    choice = np.array([int(np.flatnonzero(k)[c]) for k, c in zip(keep, answer.choice)],
-                      dtype=np.int64)
-    stats = {"nodes": problem.graph.num_nodes(), "edges": problem.graph.num_edges()}
-    return search.Solution(choice, problem.graph.total_cost(choice), stats)
+    return _solved_within(problem, keep, lambda graph: solve_round(graph)[0])
 
 
 def adjacent_pairs(mesh: MeshShape) -> list[tuple[str, str]]:
@@ -107,8 +107,8 @@ def adjacent_pairs(mesh: MeshShape) -> list[tuple[str, str]]:
     return list(zip(names, names[1:])) if len(names) >= 3 else []
 
 
-def paired_within(problem: Problem, mesh: MeshShape, pair: tuple[str, str],
-                  max_factor_size: float) -> search.Solution:
+def paired_within(problem: Problem, pair: tuple[str, str], max_factor_size: float
+                  ) -> search.Solution:
     """Bounded elimination inside a whole-mesh problem restricted to the strategies that put
     both axes of `pair` on one factor, next to each other in that order, or neither: the
     problem of the mesh with the two taken as one axis. With an axis of every size as a
@@ -130,8 +130,15 @@ def paired_within(problem: Problem, mesh: MeshShape, pair: tuple[str, str],
             mask.append(at >= 0 and axes[at:at + 2] == pair)
         mask = np.array(mask)
         keep.append(mask if mask.any() else np.ones(len(mask), dtype=bool))
-    answer = search.solve_bounded(problem.graph.restricted(keep),
-                                  max_factor_size=max_factor_size)
+    return _solved_within(problem, keep, lambda graph: search.solve_bounded(
+        graph, max_factor_size=max_factor_size))
+
+
+def _solved_within(problem: Problem, keep: list[np.ndarray],
+                   solve: Callable[[search.CostGraph], search.Solution]) -> search.Solution:
+    """`solve`'s answer on `problem` restricted to the strategies `keep` selects, indexed like
+    `problem`'s strategies and costed on its whole graph."""
+    answer = solve(problem.graph.restricted(keep))
     choice = np.array([int(np.flatnonzero(k)[c]) for k, c in zip(keep, answer.choice)],
                       dtype=np.int64)
     stats = {"nodes": problem.graph.num_nodes(), "edges": problem.graph.num_edges()}

@@ -210,7 +210,7 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape
                    "reduce-scattered"),
                   (narrow, merged_within(narrow, mesh), "all axes as one, weight gradients "
                    "reduce-scattered")]
-    paired = [(full, paired_within(full, mesh, pair, BOUNDED_TABLE_LIMIT),
+    paired = [(full, paired_within(full, pair, BOUNDED_TABLE_LIMIT),
                f"axes {pair[0]!r} and {pair[1]!r} as one") for pair in adjacent_pairs(mesh)]
     problem, best, space = min(candidates + paired, key=lambda c: c[1].cost)
     bound = bounded.stats["lower_bound"]
