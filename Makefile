@@ -22,7 +22,7 @@ run: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 tests
 
 # Property-based fuzzing, long profile: 200 random steps, meshes and searches (tests/test_fuzz.py).
 fuzz: $(STAMP)
