@@ -13,6 +13,7 @@ from test_pipeline import gpt_case, in_loops
 
 import autopar
 from autopar.cost.hardware import get_profile
+from autopar.planning.pipeline import Planning
 
 MB = 1e6
 
@@ -34,6 +35,32 @@ def test_stage_local_data_parallel_reduces_the_gradient_once():
     assert not kinds & {"all-reduce", "reduce-scatter"}, kinds
     gathered = sum(c.result_bytes * c.executions for c in found if c.kind == "all-gather")
     assert gathered <= plan.cost.get("all-gather_bytes", 0), (gathered, plan.cost)
+
+
+@pytest.mark.parametrize("hardware, planned", [(None, [4]), ("h100", [4, 1])])
+def test_shares_that_split_the_loop_over_data_are_planned_alone(monkeypatch, hardware,
+                                                                 planned):
+    """On (stage, data) the microbatches are planned as shares of 'data' first. Where that
+    plan splits every product of the loop over 'data' (this machine's profile), it is kept
+    and nothing else is planned; where some product runs whole on every 'data' device (the
+    h100 profile, for which this model is too small), the microbatches reducing in each are
+    planned too, and kept as the faster."""
+    groups = []
+    plan = Planning.plan
+
+    def recorded(self, *args, **kwargs):
+        groups.append(self.microbatch_groups)
+        return plan(self, *args, **kwargs)
+    monkeypatch.setattr(Planning, "plan", recorded)
+    step, state, data = gpt_case(batch=64)
+    options = {"hardware": hardware} if hardware else {}
+    kept = autopar.plan(step, state, data, mesh={"stage": 2, "data": 4}, microbatches=4,
+                        pipeline=2, **options)
+    assert groups == planned
+    assert kept.microbatch_groups == planned[-1], kept.search_stats
+    if len(planned) > 1:
+        assert "in 4 shares it is estimated slower" in kept.search_stats[
+            "reduced_per_microbatch"]
 
 
 def test_the_shift_is_priced_as_the_collective_permute_xla_compiles():

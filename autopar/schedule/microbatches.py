@@ -8,6 +8,15 @@ does), the step is traced again with G shares per microbatch and planned on the 
 and the grouped plan is kept where it is estimated no slower and fits: its loop holds no
 gradient reduction, and it keeps one gradient per device for the whole loop (the carry of
 per-share sums), where a plan that shards the gradients (ZeRO) could keep less.
+
+A pipeline whose mesh has one axis besides 'stage' is planned the other way round, shares
+first (G is that axis's size, known without a plan). Where the shares' plan splits every
+matrix product of the loop over that axis, it is kept and the microbatches reducing in each
+are not planned: their program's layouts are the shares' with the shares kept together,
+which the shares' search weighed and found slower, and planning both doubled a schedule's
+planning time. Where some product runs whole on each device of the axis (a model too small
+for it, the shares' copies of work repeating each other), or the shares fail, the
+microbatches reducing in each are planned and the two compared as above.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from autopar.mesh import MeshShape, mesh_shape
 if TYPE_CHECKING:  # planning hands its results in through `traced`: types only
     from autopar.plan import Decisions, Plan
     from autopar.planning.pipeline import Planning
+    from autopar.trace.ir import OpGraph
 
 T = TypeVar("T")
 
@@ -57,31 +67,80 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
                           repeats)
         return planning, planning.plan(shape, limit)
 
-    (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
-                                                       batch_argnums)
+    shares = _stage_shares_first(call, microbatches, batch_argnums, traced, shape, limit,
+                                 stages, repeats)
+    if isinstance(shares, tuple) and shares[3]:
+        return shares[:3]
+    try:
+        (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
+                                                           batch_argnums)
+    except AutoparError:
+        if isinstance(shares, tuple):  # the shares, kept together, are all that could be
+            return shares[:3]         # planned
+        raise
     if p.microbatches > 1:
         planning, decisions, p = _reduced_once(call, batch_argnums, traced, limit,
-                                               (planning, decisions, p), stages, repeats)
+                                               (planning, decisions, p), stages, repeats,
+                                               shares)
     if len(tried) > 1:
         p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
     return planning, decisions, p
 
 
+def _stage_shares_first(call: Call, microbatches: int | str,
+                        batch_argnums: int | Sequence[int], traced: Callable[..., Planning],
+                        shape: MeshShape | int, limit: int | None, stages: int, repeats: int
+                        ) -> tuple[Planning, Decisions, Plan, bool] | str | None:
+    """A pipeline on a mesh with one axis of G > 1 devices besides 'stage': the step with G
+    shares per microbatch planned on it, and whether that plan splits them over the axis
+    (see the module's docstring); else why the shares could not be planned (a reason for
+    the plan's search_stats), or None where they are not planned first."""
+    if stages == 1 or not isinstance(shape, MeshShape) or not isinstance(microbatches, int):
+        return None
+    others = [(n, k) for n, k in shape.as_dict().items() if n != STAGE_AXIS and k > 1]
+    if len(others) != 1:
+        return None
+    (axis, groups), = others
+    positions = call.traced_positions(batch_argnums, "batch_argnums")
+    if batch_size(call.abstract(), positions, 1) % (microbatches * groups):
+        return None  # _reduced_once says why
+    try:
+        planning = traced(step_of(call, microbatches, batch_argnums, groups, stages, repeats),
+                          microbatches, groups, stages, repeats)
+        decisions, p = planning.plan(shape, limit)
+    except AutoparError as e:  # a share too small for the loss's code, or no fit
+        return f"in {groups} shares: {e}"
+    return planning, decisions, p, _splits_loop_products(planning.graph, decisions, axis)
+
+
+def _splits_loop_products(graph: OpGraph, decisions: Decisions, axis: str) -> bool:
+    """Whether `decisions` split every matrix product and convolution inside `graph`'s loops
+    over the mesh axis `axis`: where one runs whole on each of its devices, they repeat each
+    other's work there (a pipeline's shares kept together)."""
+    products = [st for op, st in zip(graph.ops, decisions.ops)
+                if op.repeat > 1 and op.primitive in ("dot_general", "conv_general_dilated")]
+    return bool(products) and all(
+        any(axis in axes for _, axes in st.assignment) for st in products)
+
+
 def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
                   traced: Callable[..., Planning], limit: int | None,
                   first: tuple[Planning, Decisions, Plan], stages: int = 1,
-                  repeats: int = 1
+                  repeats: int = 1, shares: tuple | str | None = None
                   ) -> tuple[Planning, Decisions, Plan]:
     """`first` (a plan accumulating per microbatch, or pipelining over `stages`), or the same
     step with its gradient kept per share of G device groups and reduced once after the loop,
     planned on `first`'s mesh, where that is estimated no slower and fits (`_share_count`
-    gives G; the 'stage' axis is not one of them: the stages hold different layers)."""
+    gives G; the 'stage' axis is not one of them: the stages hold different layers).
+    `shares`: what `_stage_shares_first` found, used instead of planning the shares again."""
     planning, decisions, p = first
 
     def per_microbatch(why: str) -> tuple[Planning, Decisions, Plan]:
         return planning, decisions, dataclasses.replace(
             p, search_stats={**p.search_stats, "reduced_per_microbatch": why})
 
+    if isinstance(shares, str):
+        return per_microbatch(shares)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     shape = mesh_shape(dict(p.mesh))
     groups = _share_count(call, batch_argnums, traced, p, positions, shape, stages > 1)
@@ -92,9 +151,13 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
                               f"divide the batch of {size}")
     try:
-        grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups, stages,
-                                          repeats), p.microbatches, groups, stages, repeats)
-        grouped_decisions, grouped = grouped_planning.plan(shape, limit)
+        if shares is not None:
+            grouped_planning, grouped_decisions, grouped, _ = shares
+        else:
+            grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups,
+                                              stages, repeats), p.microbatches, groups,
+                                      stages, repeats)
+            grouped_decisions, grouped = grouped_planning.plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
         return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
     if grouped.cost["total_s"] > p.cost["total_s"]:         # or no fit
