@@ -69,22 +69,49 @@ def test_searches_keep_annotations(search):
 
 class ShardedMLP(nn.Module):
     """An MLP with its hidden activation annotated in the model code."""
+    spec: P = P("data", "model")
+    hidden: int = 64
 
     @nn.compact
     def __call__(self, x):
-        h = nn.relu(nn.Dense(64)(x))
-        h = autopar.shard(h, P("data", "model"))
+        h = nn.relu(nn.Dense(self.hidden)(x))
+        h = autopar.shard(h, self.spec)
         return nn.Dense(16)(h)
 
 
-def sharded_mlp_setup():
-    model = ShardedMLP()
-    x = jax.random.normal(jax.random.PRNGKey(1), (32, 24))
-    y = jax.random.normal(jax.random.PRNGKey(2), (32, 16))
+def sharded_mlp_setup(spec=P("data", "model"), batch=32, features=24, hidden=64):
+    model = ShardedMLP(spec, hidden)
+    x = jax.random.normal(jax.random.PRNGKey(1), (batch, features))
+    y = jax.random.normal(jax.random.PRNGKey(2), (batch, 16))
     params = model.init(jax.random.PRNGKey(3), x)
     tx = optax.adamw(1e-3)
     return models.linen_step(model, models.mse, tx), (params, tx.init(params)), \
         {"inputs": x, "targets": y}
+
+
+@pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming",
+                                    "recursive_programming"])
+def test_a_pin_may_leave_dimensions_to_the_search(search):
+    """P.UNCONSTRAINED pins nothing on its dimension: in model code and in annotations the
+    other dimensions are fixed, and the search places that one."""
+    free = P.UNCONSTRAINED
+    size = dict(batch=2048, features=256, hidden=512)
+    step, state, batch = sharded_mlp_setup(P(free, "model"), **size)
+    annotations = {r"batch/inputs": P(free, free), r"params/Dense_1/kernel": P("model", free)}
+    plan = check_against_single_device(step, state, batch, autopar.make_mesh(MESH),
+                                       search=search, annotations=annotations)
+    marks = [o for o in plan.ops if o.primitive == "autopar_shard"]
+    assert len(marks) == 1 and marks[0].out_specs[0][1] == ("model",)
+    assert plan.specs["state/0/params/Dense_1/kernel"][0] == "model"
+    if search != "sharding_propagation":  # propagation spreads the pins, it weighs no others
+        # The searches split the batch over 'data', which pins with those dimensions whole
+        # (None) forbid, and find the step faster so.
+        whole = autopar.plan(*sharded_mlp_setup(P(None, "model"), **size), mesh=MESH,
+                             search=search, annotations={r"batch/inputs": P(),
+                                                         r"params/Dense_1/kernel": P("model")})
+        assert plan.specs["batch/inputs"] == P("data")
+        assert marks[0].out_specs[0][0] == ("data",)
+        assert plan.cost["total_s"] < whole.cost["total_s"]
 
 
 def test_shard_is_a_no_op_outside_autopar():

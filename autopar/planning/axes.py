@@ -169,8 +169,8 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
 
         def build() -> Problem:  # called at once: the loop's variables are this round's
             sub_pins = None if pinned is None else {
-                t: tuple(tuple(a for a in axes if a in names) for axes in spec)
-                for t, spec in pinned.items()}
+                t: tuple(None if axes is None else tuple(a for a in axes if a in names)
+                         for axes in spec) for t, spec in pinned.items()}
             extension = None
             if problem is not None:  # keep what the earlier rounds decided
                 strategies = problem.decode(solution.choice)
@@ -214,12 +214,13 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     if len(order) < 2:
         return None
     name = "*".join(order)
-    if pinned is not None and any(set(axes) not in (set(), set(order))
+    if pinned is not None and any(axes is not None and set(axes) not in (set(), set(order))
                                   for spec in pinned.values() for axes in spec):
         return None
     one = MeshShape((name,), (int(np.prod([mesh.axis_size(a) for a in order])),))
     pins = None if pinned is None else {
-        t: tuple((name,) if axes else () for axes in spec) for t, spec in pinned.items()}
+        t: tuple(None if axes is None else (name,) if axes else () for axes in spec)
+        for t, spec in pinned.items()}
     first = kept_problem(problems, ("all axes as one", narrow), lambda: build_problem(
         graph, one, hw, pins, units=units, narrow=narrow, memo=problems)
     ).priced(graph, one, memory_weight)

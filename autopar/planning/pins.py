@@ -99,7 +99,8 @@ def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
                problems: list[str]) -> Spec | None:
     """`spec` as our Spec for a tensor of `shape`, or None after adding what is wrong with it.
 
-    Axes of size 1 split nothing and are dropped.
+    Axes of size 1 split nothing and are dropped. An entry `PartitionSpec.UNCONSTRAINED` is a
+    free dimension (None in the Spec): the search places it (see problem._group).
     """
     head = f"{where} with shape {shape} on mesh {mesh}"
     if spec is None:
@@ -113,9 +114,15 @@ def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
                         f"{len(shape)}. Fix: give at most {len(shape)} entries.")
         return None
     found = len(problems)
-    out: list[tuple[str, ...]] = []
+    out: list[tuple[str, ...] | None] = []
     seen: set[str] = set()
-    for k, axes in enumerate(from_partition_spec(spec, len(shape))):
+    entries = list(spec)
+    free = {k for k, e in enumerate(entries) if e is PartitionSpec.UNCONSTRAINED}
+    entries = [None if k in free else e for k, e in enumerate(entries)]
+    for k, axes in enumerate(from_partition_spec(PartitionSpec(*entries), len(shape))):
+        if k in free:
+            out.append(None)
+            continue
         unknown = [a for a in axes if a not in mesh.names]
         if unknown:
             problems.append(f"{head}: {spec} names axis {unknown[0]!r}, which the mesh does not "

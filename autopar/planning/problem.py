@@ -231,7 +231,8 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     output spec; an instance of a repeated layer takes the first instance's node; any other unit
     defines a node of its own with all its strategies (those extending `extend`, if given).
     A unit whose result is pinned neither follows nor ties: it is a node of its own with the
-    one strategy that produces the pinned spec.
+    one strategy that produces the pinned spec, or where the pin leaves dimensions free (None),
+    every strategy that gives the others their pinned axes.
     """
     node_of: list[int] = []
     choices: list[list[Strategy]] = []
@@ -244,7 +245,10 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
         if fixed is not None:
             node_of.append(len(roots))
             roots.append(u)
-            choices.append([pinned_strategy(unit.rule, mesh, fixed)])
+            options = pinned_strategies(unit.rule, mesh, fixed)
+            if len(options) > 1 and extend is not None and u in extend.assignments:
+                options = extend.filter(options, extend.assignments[u]) or options
+            choices.append(options)
         elif source is not None and source[0] < u:
             src_unit, k = source
             node_of.append(node_of[src_unit])
@@ -285,10 +289,15 @@ def untied_node_count(graph: OpGraph, units: list[Unit], pinned: dict[int, Spec]
     return count
 
 
-def pinned_strategy(rule: Rule, mesh: MeshShape, spec: Spec) -> Strategy:
-    """The strategy of a one-result rule whose result has `spec` (checked by annotate)."""
-    dims = rule.results[0]
-    return strategy(rule, mesh, {f: axes for f, axes in zip(dims, spec) if f and axes})
+def pinned_strategies(rule: Rule, mesh: MeshShape, spec: Spec) -> list[Strategy]:
+    """The strategies of a one-result rule whose result has `spec` (checked by pins.resolve):
+    one, or where `spec` leaves dimensions free (None), each that gives the other dimensions
+    their axes."""
+    if None not in spec:
+        dims = rule.results[0]
+        return [strategy(rule, mesh, {f: axes for f, axes in zip(dims, spec) if f and axes})]
+    return [s for s in enumerate_strategies(rule, mesh)
+            if all(want is None or got == want for got, want in zip(s.out_specs[0], spec))]
 
 
 def _memory_bytes(graph: OpGraph, units: list[Unit], choices: list[list[Strategy]],

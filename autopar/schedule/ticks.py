@@ -115,8 +115,13 @@ def shift(x: Any) -> Any:
 
 
 def per_stage(x: Any, dim: int = 1) -> Any:
-    """`x` with its dimension `dim` (the stages') split over the stage axis."""
-    return shard(x, PartitionSpec(*[None] * dim, STAGE_AXIS))
+    """`x` with its dimension `dim` (the stages') split over the stage axis, those before it
+    whole, and those after it placed by the search: a microbatch's examples (or shares) split
+    over 'data' stay so from one tick to the next. (Pinned whole, every tick gathered the
+    stages' outputs over 'data' and shifted them whole: a 2 x 4 pipeline of the pipeline
+    suite moved 2.5x the bytes between stages, judged 1.148 against 0.816 ms.)"""
+    free = [PartitionSpec.UNCONSTRAINED] * (jnp.ndim(x) - dim - 1)
+    return shard(x, PartitionSpec(*[None] * dim, STAGE_AXIS, *free))
 
 
 def lead_mask(mask: Any, trailing: int) -> Any:
