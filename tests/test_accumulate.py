@@ -74,8 +74,7 @@ def test_the_gradient_is_reduced_once_after_the_loop(mesh):
                                        donate_argnums=0, microbatches=2, hardware="h100")
     assert plan.microbatch_groups == 8
     assert "reduced once after the loop" in plan.summary()
-    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), microbatches=2,
-                                    hardware="h100")
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), plan=plan)
     in_loops, once = reductions_in_loops(sharded.lower(state, data).compile().as_text())
     assert not in_loops and once, (in_loops, once)
 
@@ -389,8 +388,8 @@ def test_auto_takes_the_fewest_microbatches_that_fit_the_memory_limit():
     plan = check_against_single_device(step, state, batch, mesh, donate_argnums=0,
                                        microbatches="auto", memory_limit=limit)
     assert plan.microbatches > 1 and plan.search_stats["microbatches_tried"][0] == 1
-    sharded = autopar.auto_parallel(step, mesh=mesh, donate_argnums=0, microbatches="auto",
-                                    memory_limit=limit)
+    # The plan the search made, compiled (plan= skips a second search of ~20 s).
+    sharded = autopar.auto_parallel(step, mesh=mesh, donate_argnums=0, plan=plan)
     assert compiled_memory_bytes(sharded.lower(state, batch).compile()) <= limit
     assert autopar.plan(step, state, batch, mesh=mesh, microbatches="auto").microbatches == 1
     with pytest.raises(autopar.AutoparError, match="no count of microbatches fits"):

@@ -74,6 +74,30 @@ def test_branching_is_needed_and_finds_what_prices_miss():
     assert branched >= 3
 
 
+def test_a_proof_stopped_at_a_gap_is_within_it_and_not_called_exact():
+    """With stop_gap, the answer is within that gap of the optimum, its reported bound is a
+    true lower bound, and it is `exact` only where its gap is nil; some searches stop
+    earlier than the full proof and some answers then miss the optimum."""
+    stop_gap, earlier, missed = 0.05, 0, 0
+    for seed in range(60):
+        graph, use = random_problem(seed)
+        lowest, highest = sum(u.min() for u in use), sum(u.max() for u in use)
+        for budget in np.linspace(lowest, highest, 5)[1:-1]:
+            want = brute_force(graph, use, budget)
+            if want is None:
+                continue
+            full = solve_constrained(graph, use, budget)
+            got = solve_constrained(graph, use, budget, stop_gap=stop_gap)
+            assert want * (1 - 1e-9) <= got.cost <= want * (1 + stop_gap) + 1e-12
+            assert got.stats["lower_bound"] <= want * (1 + 1e-9)
+            assert got.stats["exact"] == (got.stats["gap"] <= 1e-9)
+            if got.stats["exact"]:
+                assert got.cost == pytest.approx(want, rel=1e-9)
+            earlier += got.stats["solves"] < full.stats["solves"]
+            missed += got.cost > want * (1 + 1e-9)
+    assert earlier >= 3 and missed >= 1, (earlier, missed)
+
+
 def test_a_generous_budget_gives_the_unconstrained_optimum():
     graph, use = random_problem(3)
     free = solve_constrained(graph, use, sum(u.max() for u in use))
