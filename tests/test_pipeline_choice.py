@@ -43,7 +43,7 @@ def test_stage_local_data_parallel_reduces_the_gradient_once():
 def test_shares_that_split_the_loop_over_data_are_planned_alone(monkeypatch, hardware,
                                                                  planned):
     """On (stage, data) the microbatches are planned as shares of 'data' first. Where that
-    plan splits every product of the loop over 'data' and computes longer than it
+    plan splits every product of the loop over 'data' and its loop computes longer than it
     communicates (this machine's profile), it is kept and nothing else is planned; where it
     is bound by its links (the h100 profile, for which this model is too small), the
     microbatches reducing in each are planned too, and kept as the faster."""
