@@ -126,7 +126,7 @@ def test_shares_too_small_for_the_loss_reduce_per_microbatch():
     assert plan.microbatch_groups == 1
     assert "reduced in each microbatch" in plan.summary()
     assert "in 8 shares" in plan.search_stats["reduced_per_microbatch"]
-    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), microbatches=4)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}), plan=plan)
     in_loops, _ = reductions_in_loops(sharded.lower(state, data).compile().as_text())
     assert in_loops and all(c.executions == 4 for c in in_loops)
 

@@ -218,9 +218,8 @@ def test_a_conv_net_at_a_data_parallel_experts_memory_is_that_program():
     limit = compiled_memory_bytes(expert)
     plan = check_against_single_device(step, state, batch, mesh, donate_argnums=0,
                                        hardware="h100", memory_limit=limit)
-    sharded = autopar.auto_parallel(step, mesh=mesh, hardware="h100", memory_limit=limit,
-                                    donate_argnums=0)
-    ours = sharded.lower(state, batch).compile()
+    ours = autopar.auto_parallel(step, mesh=mesh, plan=plan, donate_argnums=0).lower(
+        state, batch).compile()
     assert compiled_memory_bytes(ours) <= limit and plan.memory["compiled_bytes"] <= limit
     assert (autopar.evaluate(ours, mesh, "h100").step_s
             <= autopar.evaluate(expert, mesh, "h100").step_s * (1 + 1e-3))
