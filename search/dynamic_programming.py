@@ -59,11 +59,10 @@ def _min_last(
     if len(terms) > 2:
         terms = _absorbed(terms)
     per_row = math.prod(shape[1:])
-    if per_row * shape[0] <= _SLAB_ENTRIES:  # one slab: most tables, small enough that
-        out = np.empty(shape)                # numpy's per-call overhead is the cost
-        np.copyto(out, terms[0])
-        for t in terms[1:]:
-            np.add(out, t, out=out)
+    # A table of one slab skips the slabs' bookkeeping: most tables are small, and numpy's
+    # per-call overhead is most of their cost.
+    if per_row * shape[0] <= _SLAB_ENTRIES:
+        out = _sum_into(np.empty(shape), terms)
         return _min_rows(out.reshape(-1, shape[-1]), shape[:-1], dtype)
     step = max(1, _SLAB_ENTRIES // per_row)
     best = np.empty(shape[:-1])
@@ -73,13 +72,18 @@ def _min_last(
         hi = min(lo + step, shape[0])
         out = buf[: hi - lo]
         # Terms with a size-1 first axis broadcast over the slab as they are.
-        pieces = [t if t.shape[0] == 1 else t[lo:hi] for t in terms]
-        np.copyto(out, pieces[0])
-        for piece in pieces[1:]:
-            np.add(out, piece, out=out)
+        _sum_into(out, [t if t.shape[0] == 1 else t[lo:hi] for t in terms])
         best[lo:hi], arg[lo:hi] = _min_rows(out.reshape(-1, shape[-1]), out.shape[:-1],
                                             dtype)
     return best, arg
+
+
+def _sum_into(out: np.ndarray, terms: list[np.ndarray]) -> np.ndarray:
+    """`out` set to the sum of `terms`, broadcast to its shape."""
+    np.copyto(out, terms[0])
+    for t in terms[1:]:
+        np.add(out, t, out=out)
+    return out
 
 
 def _min_rows(rows: np.ndarray, shape: tuple[int, ...], dtype: type
