@@ -124,7 +124,7 @@ def _stage_shares_first(call: Call, microbatches: int | str,
 
 
 def _loop_communicates_less(graph: OpGraph, p: Plan) -> bool:
-    """Whether the operators inside `graph`'s loops take less time to communicate than to
+    """Whether the operators inside `graph`'s loops take no longer to communicate than to
     compute in plan `p`."""
     in_loop = {op.id for op in graph.ops if op.repeat > 1}
     ops = [o for o in p.ops if o.index in in_loop]
