@@ -10,7 +10,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.schedule.accumulate import step_of
-from autopar.calling import Call, Conventions, place
+from autopar.calling import Call, Conventions, place, shape_and_dtype
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.xla import buffer_model
@@ -30,6 +30,7 @@ from autopar.planning.pipeline import Planning
 from autopar.planning.saved import decisions_from_plan
 from autopar.planning.solve import SEARCHES
 from autopar.rules.factors import Spec, to_partition_spec
+from autopar.schedule.lanes import Lanes, as_leaf, traced_lanes
 from autopar.schedule.storable import Storage, storage
 from autopar.schedule.stored import placed_outputs, reading_stored, stored_inputs
 from autopar.trace.ir import OpGraph
@@ -194,6 +195,7 @@ class _Signature:
     out_tree: Any
     make_plan: Callable[[], Plan]
     stored: Storage | None = None  # the stack's leaves kept in the circular placement
+    lanes: Lanes | None = None  # a Python loop's layers kept stacked (schedule/lanes.py)
 
     @functools.cached_property
     def plan(self) -> Plan:
@@ -264,8 +266,14 @@ class AutoParallel:
         step, stored = self._step(call), self.saved.stored
         if stored is not None:  # the stack reads the leaves the plan stores
             step = reading_stored(step, stored.reads)
-        graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
-                                          compiler=self.platform)
+        lanes = self.saved.lanes
+        if lanes is not None:  # the Python loop's layers stacked, as the plan stores them
+            graph, lanes, out_tree, in_tree, plan_out_tree = self._saved_lanes(step, call,
+                                                                               lanes)
+        else:
+            graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
+                                              compiler=self.platform)
+            out_tree = plan_out_tree = jax.tree_util.tree_structure(out_shape)
         if stored is not None:
             found = storage(graph, self.stages, self.repeats)
             if found != stored:
@@ -275,20 +283,33 @@ class AutoParallel:
                     f"{len(found.inputs)} be stored ({found.inputs}). Fix: plan this step "
                     "again.")
         decisions = decisions_from_plan(graph, self.saved, shape)
-        out_tree = jax.tree_util.tree_structure(out_shape)
         # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
         # running the step needs the decisions alone.
         def assembled() -> Plan:
             plan = assemble(graph, decisions, shape, self.hw, self.saved.search,
-                            dict(self.saved.search_stats), in_tree, out_tree,
+                            dict(self.saved.search_stats), in_tree, plan_out_tree,
                             buffers=buffer_model(self.platform))
             return dataclasses.replace(plan, microbatches=self.microbatches,
                                        microbatch_groups=self.saved.microbatch_groups,
                                        pipeline_stages=self.stages,
-                                       pipeline_repeats=self.repeats, stored=stored)
+                                       pipeline_repeats=self.repeats, stored=stored,
+                                       lanes=lanes)
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
-                               output_specs(graph, decisions), out_tree, assembled, stored)
+                               output_specs(graph, decisions), out_tree, assembled, stored,
+                               lanes)
+
+    def _saved_lanes(self, step: Callable, call: Call, saved: Lanes) -> tuple:
+        """The step traced over the layers a saved plan stores stacked: its graph, Lanes and
+        output tree; an AutoparError where this step stores other leaves so."""
+        found = traced_lanes(step, call.abstract(), call.donated, self.platform)
+        if found is None or found[1] != saved:
+            got = found[1].families if found else 0
+            raise AutoparError(
+                f"the saved plan keeps {saved.families} families of a Python loop's layers "
+                f"stacked, and this step lets {got} be stacked "
+                f"({'other leaves' if got else 'none'}). Fix: plan this step again.")
+        return found
 
     def _step(self, call: Call) -> Callable:
         groups = self.saved.microbatch_groups if self.saved is not None else 1
@@ -309,23 +330,23 @@ class AutoParallel:
 
         def make(decisions: Decisions, p: Plan) -> _Signature:
             return self._signature(planning.graph, decisions, dict(p.mesh),
-                                   [t.spec for t in p.outputs], p.out_tree, lambda: p,
-                                   planning.stored)
+                                   [t.spec for t in p.outputs], planning.out_tree, lambda: p,
+                                   planning.stored, planning.lanes)
 
         def compiled_of(made: _Signature) -> Any:
-            return made.jitted.lower(*_abstract(call.leaves)).compile()
+            return made.jitted.lower(*_abstract(call.leaves, made.lanes)).compile()
 
         return fitted(planning, shape, self.memory_limit, decisions, p, make, compiled_of)
 
     def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],
                    out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan],
-                   stored: Storage | None = None) -> _Signature:
+                   stored: Storage | None = None, lanes: Lanes | None = None) -> _Signature:
         """The jitted step of `decisions` on the mesh of `axes` (the requested Mesh itself
         where one was given)."""
         requested = self.requested
         mesh = requested if isinstance(requested, Mesh) else make_mesh(axes)
         return _Signature(graph, decisions, jit_step(graph, decisions, mesh, out_specs), mesh,
-                          out_tree, make_plan, stored)
+                          out_tree, make_plan, stored, lanes)
 
     def mesh(self, *args: Any, **kwargs: Any) -> Mesh:
         """The mesh the step runs on for these arguments (chosen with the plan for 'auto')."""
@@ -335,16 +356,24 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         made = self._compiled(call, key)
-        stored = made.stored
+        stored, lanes = made.stored, made.lanes
+        if lanes is not None:  # the Python loop's layers, one array a family
+            into, out_of = lanes.placements(stored)
+            leaves, call = lanes.stacked_inputs(call.leaves, into), lanes.stacked_call(call)
+        else:
+            leaves = stored_inputs(call, stored) if stored or call.placed else call.leaves
+            if call.placed:  # a state with stacked layers, given to a step planned otherwise
+                leaves = [as_leaf(x) for x in leaves]
         placed = place(call, [NamedSharding(made.mesh, to_partition_spec(s))
-                              for s in made.decisions.inputs],
-                       stored_inputs(call, stored) if stored or call.placed else None)
+                              for s in made.decisions.inputs], leaves)
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
             with young_objects_only():
                 outs = made.jitted(*placed)
             self._called.add(key)
+        if lanes is not None:
+            return lanes.placed_outputs(made.out_tree, outs, out_of)
         if stored:
             return placed_outputs(made.out_tree, outs, stored)
         return jax.tree_util.tree_unflatten(made.out_tree, outs)
@@ -355,6 +384,12 @@ class AutoParallel:
         may be ShapeDtypeStructs. For the batch: autopar.process_rows, autopar.global_batch."""
         call = self._call(args, kwargs)
         made = self._compiled(call)
+        if made.lanes is not None:
+            raise AutoparError(
+                "this plan keeps the Python loop's layers stacked (keep_placement=True): it "
+                "takes each family of layers as one array, which has no sharding per leaf of "
+                "your tree. Fix: pass the step the state it returned (or your tree: it is "
+                "stacked on the way in); plan.inputs gives the stacked inputs' specs.")
         leaves = iter(NamedSharding(made.mesh, to_partition_spec(s))
                       for s in made.decisions.inputs)
         by_slot = {w: t.unflatten([next(leaves) for _ in range(t.num_leaves)])
@@ -369,12 +404,14 @@ class AutoParallel:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""
         call = self._call(args, kwargs)
-        jitted = self._compiled(call).jitted
+        made = self._compiled(call)
         with young_objects_only():  # traces the planned program
-            return jitted.lower(*_abstract(call.leaves))
+            return made.jitted.lower(*_abstract(call.leaves, made.lanes))
 
 
-def _abstract(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
-    """The flat arguments' shapes and dtypes."""
-    return [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
-            for x in leaves]
+def _abstract(leaves: Sequence[Any], lanes: Lanes | None = None
+              ) -> list[jax.ShapeDtypeStruct]:
+    """The flat arguments' shapes and dtypes (as the stacked step takes them, with
+    `lanes`)."""
+    shapes = [jax.ShapeDtypeStruct(*shape_and_dtype(x)) for x in leaves]
+    return lanes.stacked_abstract(shapes) if lanes is not None else shapes

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from autopar.distributed import multiprocess, place_everywhere
 from autopar.errors import AutoparError, collect_errors
+from autopar.schedule.lanes import LayerRow
 from autopar.schedule.stored import unwrapped
 from autopar.trace.tracer import argument_names, path_to_str
 
@@ -158,15 +159,15 @@ class Call:
     def key(self) -> Any:
         """The cache key: what a plan and its executable depend on."""
         return (tuple((where, type(v), v) for where, v in self.static), tuple(self.slots),
-                tuple(self.trees), tuple((tuple(jax.numpy.shape(x)),
-                                          str(jax.numpy.result_type(x))) for x in self.leaves))
+                tuple(self.trees), tuple((shape, str(dtype)) for shape, dtype in
+                                         map(shape_and_dtype, self.leaves)))
 
     def abstract(self) -> list[Any]:
         """The traced arguments as shapes and dtypes (weak types kept), for tracing: without
         the shardings they arrive in, which on a mesh of Explicit axes would trace the step
         under JAX's sharding-in-types rules rather than as the single-device step it is."""
         def shape_of(x: Any) -> jax.ShapeDtypeStruct:
-            aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+            aval = x if isinstance(x, (jax.ShapeDtypeStruct, LayerRow)) else jax.typeof(x)
             return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
         return [jax.tree_util.tree_map(shape_of, value) for value in self.traced]
@@ -215,9 +216,16 @@ class Call:
         return step
 
 
+def shape_and_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    """A flat argument's shape and dtype (a layer of a stored stack's too)."""
+    if isinstance(x, LayerRow):
+        return x.shape, x.dtype
+    return tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)
+
+
 def _traceable(x: Any) -> bool:
     """Whether jax can trace `x` as an argument: an array or a number (or their shapes)."""
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, bool, int, float, complex)):
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, LayerRow, bool, int, float, complex)):
         return True
     if isinstance(x, (np.ndarray, np.generic)):
         try:

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
+from autopar.schedule.lanes import Lanes
 from autopar.schedule.storable import Storage
 from autopar.trace.ir import OpGraph
 
@@ -154,6 +155,8 @@ class Plan:
     pipeline_repeats: int = 1  # rounds each microbatch makes through them (circular schedule)
     # the stack's leaves kept in the circular placement between steps (keep_placement=True)
     stored: Storage | None = None
+    # a Python loop's layers kept stacked between steps (keep_placement=True, schedule/lanes.py)
+    lanes: Lanes | None = None
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -217,6 +220,11 @@ class Plan:
                                        self.microbatch_groups, self.pipeline_repeats))
             if self.stored is not None:
                 lines.append(stored_line(self.stored, self.inputs))
+            if self.lanes is not None:
+                lines.append(f"a Python loop's layers stored stacked between steps: "
+                             f"{self.lanes.families} families of {self.lanes.layers} leaves "
+                             "each, one array per family; the step returns them as "
+                             "autopar.Placed, autopar.unpack gives your tree")
         elif self.microbatches > 1:
             reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
                        "once after the loop" if self.microbatch_groups > 1 else

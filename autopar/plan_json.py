@@ -24,6 +24,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
+from autopar.schedule.lanes import Lanes
 from autopar.schedule.storable import Storage
 from autopar.trace.layers import instance_of, layer_key
 
@@ -277,6 +278,9 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
         **({"pipeline_stages": plan.pipeline_stages} if plan.pipeline_stages > 1 else {}),
         **({"pipeline_repeats": plan.pipeline_repeats} if plan.pipeline_repeats > 1 else {}),
         **({"stored_in_placement": stored_json(plan.stored)} if plan.stored else {}),
+        **({"stored_stacked": {"inputs": [list(o) for o in plan.lanes.inputs],
+                               "outputs": [list(o) for o in plan.lanes.outputs]}}
+           if plan.lanes else {}),
         "inputs": [tensor_json(t) for t in plan.inputs],
         "outputs": outputs_json(plan.outputs, plan.inputs),
         "decisions": [decision_json(d) for d in plan.decisions],
@@ -307,6 +311,15 @@ def stored_from(body: dict[str, Any] | None) -> Storage | None:
                    int(body["repeats"]))
 
 
+def lanes_from(body: dict[str, Any] | None, inputs: tuple) -> Lanes | None:
+    """A Python loop's layers kept stacked: the user's flat leaves of each stacked input and
+    output (schedule/lanes.py)."""
+    if not body:
+        return None
+    return Lanes(tuple(tuple(o) for o in body["inputs"]), tuple(tuple(o) for o in body["outputs"]),
+                 tuple(t.path for t in inputs))
+
+
 def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
     """The fields of a Plan from its JSON document (any version in READS)."""
     if body.get("format_version") not in READS:
@@ -323,6 +336,7 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
         pipeline_stages=int(body.get("pipeline_stages", 1)),
         pipeline_repeats=int(body.get("pipeline_repeats", 1)), inputs=inputs,
         stored=stored_from(body.get("stored_in_placement")),
+        lanes=lanes_from(body.get("stored_stacked"), inputs),
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),
         ops=tuple(op_from(o) for o in body.get("ops", [])),
         cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),

@@ -23,6 +23,7 @@ from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.problem import AutoparWarning, Unit, make_units
 from autopar.planning.solve import exactness, solve
 from autopar.rules.factors import Spec
+from autopar.schedule.lanes import Lanes, traced_lanes
 from autopar.schedule.storable import Storage, storage
 from autopar.schedule.stored import reading_stored
 from autopar.trace.ir import OpGraph
@@ -52,6 +53,8 @@ class Planning:
     pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
     pipeline_repeats: int = 1  # that many times round (the circular schedule)
     stored: Storage | None = None  # the stack's leaves kept in placement (schedule/stored.py)
+    lanes: Lanes | None = None  # a Python loop's layers kept stacked (schedule/lanes.py)
+    plan_out_tree: Any = None  # the plan's outputs' tree (with `lanes`: the stacked step's)
     # Under a memory limit, dynamic_programming proves the price search's answer where its
     # tables fit (budget.py); False keeps the prices' answer, found sooner.
     prove: bool = True
@@ -73,16 +76,32 @@ class Planning:
         find which leaves, then reading them so)."""
         t0 = time.perf_counter()
         platform = platform or hw.platform
-        graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
+        found = (traced_lanes(fn, args, donated, platform)
+                 if keep_placement and pipeline_stages > 1 else None)
+        if found is not None:  # a Python loop's layers stored stacked (schedule/lanes.py)
+            graph, lanes, out_tree, in_tree, plan_out_tree = found
+        else:
+            graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
+            lanes, out_tree = None, jax.tree_util.tree_structure(out_shape)
+            plan_out_tree = out_tree
         stored = None
         if keep_placement and pipeline_repeats > 1:
-            graph, stored = traced_stored(fn, args, donated, platform, graph,
-                                          pipeline_stages, pipeline_repeats)
-        return cls(graph, in_tree, jax.tree_util.tree_structure(out_shape), hw, search,
-                   annotations, buffer_model(platform), time.perf_counter() - t0,
+            def again(reads: Sequence[int]) -> OpGraph:  # the step, its stack read as stored
+                stepped = reading_stored(fn, reads)
+                if lanes is None:
+                    return trace(stepped, args, donated, compiler=platform)[0]
+                found = traced_lanes(stepped, args, donated, platform)
+                if found is None or found[1] != lanes:
+                    raise AutoparError("keep_placement: the step stacks other layers when its "
+                                       "stack is read in the circular placement.")
+                return found[0]
+            graph, stored = traced_stored(again, graph, pipeline_stages, pipeline_repeats,
+                                          lanes)
+        return cls(graph, in_tree, out_tree, hw, search, annotations, buffer_model(platform),
+                   time.perf_counter() - t0,
                    microbatches=microbatches, microbatch_groups=microbatch_groups,
                    pipeline_stages=pipeline_stages, pipeline_repeats=pipeline_repeats,
-                   stored=stored)
+                   stored=stored, lanes=lanes, plan_out_tree=plan_out_tree)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
              ) -> tuple[Decisions, Plan]:
@@ -114,11 +133,11 @@ class Planning:
         shape, chosen = best
         chosen = dataclasses.replace(chosen, stats=exactness(chosen.stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
-                          self.out_tree, memory_limit, self.buffers)
+                          self.plan_out_tree, memory_limit, self.buffers)
         return chosen.decisions, dataclasses.replace(
             plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups,
             pipeline_stages=self.pipeline_stages, pipeline_repeats=self.pipeline_repeats,
-            stored=self.stored)
+            stored=self.stored, lanes=self.lanes)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:
@@ -132,21 +151,27 @@ class Planning:
                          plan_memory(self.graph, decisions, shape, self.buffers), stats)
 
 
-def traced_stored(fn: Callable, args: Sequence[Any], donated: frozenset[int], platform: str,
-                  graph: OpGraph, stages: int, repeats: int
-                  ) -> tuple[OpGraph, Storage | None]:
-    """The step traced with its stack reading the leaves that `graph` (the step traced in
-    layer order) lets be stored, and what is stored; a warning names each of the stack's
-    leaves kept in layer order and why. Where nothing can be stored, `graph` and None."""
+def traced_stored(again: Callable[[Sequence[int]], OpGraph], graph: OpGraph, stages: int,
+                  repeats: int, lanes: Lanes | None = None) -> tuple[OpGraph, Storage | None]:
+    """The step traced again (`again`) with its stack reading the leaves that `graph` (the
+    step traced in layer order) lets be stored, and what is stored; a warning names each of
+    the stack's leaves kept in layer order and why. Where nothing can be stored, `graph` and
+    None. With `lanes` (a Python loop's layers stacked), only stacked families are stored."""
     found = storage(graph, stages, repeats)
     for index, why in found.refused.items():
         warnings.warn(AutoparWarning(
             f"keep_placement: the stack's input {index} stays in layer order and moves "
             f"into the circular placement every step, since the step reads {why}."),
-            stacklevel=2)
+            stacklevel=3)
+    if lanes is not None and any(len(lanes.inputs[k]) == 1 for k in found.inputs):
+        warnings.warn(AutoparWarning(
+            "keep_placement: the Python loop's layers are stored stacked in layer order, not "
+            "in the circular placement: the step stores a leaf of the user's tree with them."),
+            stacklevel=3)
+        return graph, None
     if not found.reads:
         return graph, None
-    return trace(reading_stored(fn, found.reads), args, donated, compiler=platform)[0], found
+    return again(found.reads), found
 
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,

@@ -123,18 +123,24 @@ class Placed:
         if name.startswith("__"):
             raise AttributeError(name)
         raise PlacedStateError(
-            f"this state holds its stack's layers in the pipeline's placement "
-            f"({len(self.layout.leaves)} leaves of {self.layout.length} layers stored as "
-            f"{self.layout.stages} stages x {self.layout.repeats} rounds), not in your layer "
-            f"order, so it has no {name!r} of yours to read. Fix: autopar.unpack(state) gives "
-            "your tree; pass the state itself back to the step.")
+            f"this state holds its stack's layers {self._how()}, so it has no {name!r} of "
+            "yours to read. Fix: autopar.unpack(state) gives your tree; pass the state itself "
+            "back to the step.")
+
+    def _how(self) -> str:
+        layout = self.layout
+        if isinstance(layout, Layout):
+            return (f"in the pipeline's placement ({len(layout.leaves)} leaves of "
+                    f"{layout.length} layers stored as {layout.stages} stages x "
+                    f"{layout.repeats} rounds), not in your layer order")
+        return (f"stacked ({layout.families} families of {layout.layers} layers, one array "
+                "each), not as your leaves")
 
     def __getitem__(self, key: Any) -> Any:
         return self.__getattr__(f"[{key!r}]")
 
     def __repr__(self) -> str:
-        return (f"Placed({len(self.layout.leaves)} leaves stored as {self.layout.stages} "
-                f"stages x {self.layout.repeats} rounds; autopar.unpack gives the tree)")
+        return f"Placed(layers {self._how()}; autopar.unpack gives the tree)"
 
 
 def reorder(leaves: list, layout: Layout, inverse: bool) -> list:
@@ -161,6 +167,8 @@ def unpack(state: Any) -> Any:
     def one(x: Any) -> Any:
         if not isinstance(x, Placed):
             return x
+        if not isinstance(x.layout, Layout):  # layers stacked (lanes.Lanes)
+            return x.layout.unpacked(x.tree)
         leaves, tree = jax.tree_util.tree_flatten(x.tree)
         return tree.unflatten(reorder(leaves, x.layout, inverse=True))
     return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, Placed))
@@ -194,6 +202,8 @@ def stored_inputs(call: Any, stored: Any) -> list:
         mine = tuple(k - start for k in (stored.inputs if stored else ()) if start <= k < end)
         layout = Layout(mine, stored.length, stored.stages, stored.repeats) if mine else None
         given = call.placed.get(where)
+        if not isinstance(given, Layout):  # layers stacked (lanes.py): taken as they are
+            given = None
         if given != layout:
             if given is not None:
                 leaves[start:end] = reorder(leaves[start:end], given, inverse=True)
@@ -204,19 +214,26 @@ def stored_inputs(call: Any, stored: Any) -> list:
 
 
 def placed_outputs(out_tree: Any, outs: list, stored: Any) -> Any:
-    """The step's outputs, the element holding the stored leaves (the new state: the whole
-    output, or one element of a tuple or list) returned as Placed."""
+    """The step's outputs, the element holding the stored leaves (the new state) returned as
+    Placed."""
+    return wrapped_state(out_tree, outs, stored.outputs, lambda start: Layout(
+        tuple(k - start for k in stored.outputs), stored.length, stored.stages,
+        stored.repeats))
+
+
+def wrapped_state(out_tree: Any, outs: list, stored: Sequence[int],
+                  layout_at: Callable[[int], Any]) -> Any:
+    """The step's outputs, the element holding the flat outputs `stored` (the whole output,
+    or one element of a tuple or list) returned as Placed, with the layout `layout_at` gives
+    for that element's first flat output."""
     out = jax.tree_util.tree_unflatten(out_tree, outs)
-    layout = Layout(stored.outputs, stored.length, stored.stages, stored.repeats)
     if isinstance(out, (tuple, list)):
         start = 0
         for i, child in enumerate(out_tree.children()):
             end = start + child.num_leaves
-            if all(start <= k < end for k in stored.outputs):
+            if all(start <= k < end for k in stored):
                 items = list(out)
-                items[i] = Placed(items[i], Layout(tuple(k - start for k in stored.outputs),
-                                                   stored.length, stored.stages,
-                                                   stored.repeats))
+                items[i] = Placed(items[i], layout_at(start))
                 return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
             start = end
-    return Placed(out, layout)
+    return Placed(out, layout_at(0))

@@ -1,0 +1,154 @@
+"""keep_placement=True on a Python loop of blocks: the layers' leaves, and the optimizer's
+state of them, are kept stacked on their stages between steps (autopar/schedule/lanes.py).
+Trains equal to one device (after autopar.unpack), stacks no layer outside the pipeline's loop,
+and leaves a family the step reads a layer of on its own as the user's leaves, with a
+warning."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import copy_tree, global_relative_error, run_steps
+from test_pipeline_blocks import NnxStack, loop_gpt
+from test_pipeline_circular import by_kind
+
+import autopar
+from autopar.cost.hlo import collectives
+
+MESH = {"stage": 2, "data": 4}
+GPIPE = dict(microbatches=4, pipeline=2, hardware="h100")
+
+
+def compiled_collectives(sharded, state, data):
+    found = collectives(sharded.lower(state, data).compile().as_text())
+    return by_kind([c for c in found if c.executions == 1]), by_kind(found)
+
+
+def predicted_collectives(plan):
+    return {k[:-len("_bytes")]: v for k, v in plan.cost.items()
+            if k.endswith("_bytes") and k != "peak_memory_bytes" and v}
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_python_loops_layers_stay_stacked_and_train_equal_to_one_device(repeats):
+    step, state, data = loop_gpt()
+    mesh = autopar.make_mesh(MESH)
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
+    sharded = autopar.auto_parallel(step, mesh=mesh, keep_placement=True, donate_argnums=0,
+                                    pipeline_repeats=repeats, **GPIPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.AutoparWarning)
+        placed, losses = run_steps(sharded, copy_tree(state), data, 2)
+        # your own tree (a restored checkpoint, say) is stacked on the way in
+        new_state, loss = sharded(autopar.unpack(placed), data)
+    np.testing.assert_allclose(losses + [float(loss)], ref_losses, rtol=1e-5)
+    assert isinstance(new_state, autopar.Placed)
+    unpacked = autopar.unpack(new_state)
+    assert jax.tree_util.tree_structure(unpacked) == jax.tree_util.tree_structure(ref_state)
+    assert global_relative_error(ref_state, unpacked) < 1e-4
+    with pytest.raises(autopar.AutoparError, match="autopar.unpack"):
+        new_state[0]
+
+    plan = sharded.plan(new_state, data)
+    # each block's 16 weights and Adam's two moments of each: 48 stacks of 4 layers
+    assert plan.lanes.families == 48 and plan.lanes.layers == 4
+    assert "Python loop's layers stored stacked between steps: 48 families" in plan.summary()
+    # Stacking the leaves every step moved the layers to their stages (an all-gather outside
+    # the loop, in the plan that keeps the leaves); stored stacked, nothing moves them, and
+    # every kind's bytes, predicted, equal the compiled program's.
+    outside, every = compiled_collectives(sharded, new_state, data)
+    assert "all-gather" not in outside, outside
+    assert predicted_collectives(plan) == every
+    if repeats == 1:
+        leaves = autopar.auto_parallel(step, mesh=mesh, **GPIPE)
+        moved, _ = compiled_collectives(leaves, state, data)
+        assert moved.get("all-gather", 0) > 0, moved
+
+    # the saved plan applied again stacks the same leaves and trains the same
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.lanes == plan.lanes
+    saved = autopar.auto_parallel(step, mesh=mesh, plan=again)
+    saved_state, saved_loss = saved(new_state, data)
+    next_state, next_loss = sharded(new_state, data)
+    assert float(saved_loss) == pytest.approx(float(next_loss), rel=1e-6)
+    assert global_relative_error(autopar.unpack(next_state), autopar.unpack(saved_state)) < 1e-6
+
+
+def test_nnx_layers_with_a_global_norm_stay_stacked():
+    """A list of NNX layers, optax's global-norm clipping before adamw: the norm's per-layer
+    sums are read one layer at a time (four scalars a family move), everything else runs
+    over the stacks."""
+    graphdef, params = nnx.split(NnxStack(4, nnx.Rngs(0)), nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    k = jax.random.split(jax.random.key(3), 2)
+    data = {"inputs": jax.random.normal(k[0], (16, 8)), "targets": jax.random.normal(k[1], (16, 4))}
+
+    def step(state, batch):
+        p, opt_state = state
+
+        def loss(p):
+            return models.mse(nnx.merge(graphdef, p)(batch["inputs"]), batch["targets"])
+        value, grads = autopar.value_and_grad(loss)(p)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), opt_state), value
+
+    state = (params, tx.init(params))
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"stage": 4, "data": 2}),
+                                    keep_placement=True, microbatches=4, pipeline=4,
+                                    hardware="h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.AutoparWarning)
+        placed, losses = run_steps(sharded, copy_tree(state), data, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert global_relative_error(ref_state, autopar.unpack(placed)) < 1e-4
+    assert sharded.plan(placed, data).lanes.families == 18  # 6 weights, and their moments
+    outside, _ = compiled_collectives(sharded, placed, data)
+    # the layers' rows of the norm's sums: 4 floats per family, gathered
+    assert outside.get("all-gather", 0) <= 18 * 4 * 4, outside
+
+
+def test_a_layer_read_on_its_own_stays_the_users_leaf_with_a_warning():
+    """The loss penalises block 0's kernel alone: that kernel (and its moments) stay the
+    user's leaves, stacked every step; the other families are stored."""
+    config = dict(vocab=64, d_model=32, heads=4, layers=4, scan=False)
+    _, state, data = models.gpt_setup(batch=16, seq=16, **config)
+    model, tx = models.GPT(**config), optax.adamw(1e-3)
+
+    def step(state, batch):
+        params, opt_state = state
+
+        def loss(p):
+            penalty = 1e-3 * jnp.sum(p["params"]["block_0"]["mlp_in"]["kernel"] ** 2)
+            return models.token_loss(model.apply(p, batch["inputs"]), batch["targets"]) + penalty
+        value, grads = autopar.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(MESH), keep_placement=True,
+                                    **GPIPE)
+    with pytest.warns(autopar.AutoparWarning, match=r"3 families .*block_0/mlp_in/kernel "
+                      r"\(a layer is read on its own by integer_pow at .*test_pipeline_lanes"):
+        placed, losses = run_steps(sharded, copy_tree(state), data, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert global_relative_error(ref_state, autopar.unpack(placed)) < 1e-4
+    assert sharded.plan(placed, data).lanes.families == 45
+
+
+def test_a_stacked_plan_has_no_per_leaf_input_shardings_and_unpacks_for_other_steps():
+    step, state, data = loop_gpt()
+    mesh = autopar.make_mesh(MESH)
+    sharded = autopar.auto_parallel(step, mesh=mesh, keep_placement=True, **GPIPE)
+    placed, _ = sharded(copy_tree(state), data)
+    with pytest.raises(autopar.AutoparError, match="stacked"):
+        sharded.input_shardings(placed, data)
+    # a step planned otherwise (no pipeline) takes the stacked state as the user's leaves
+    flat = autopar.auto_parallel(step, mesh=mesh)
+    ref_state, ref_loss = jax.jit(step)(autopar.unpack(placed), data)
+    _, loss = flat(placed, data)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
