@@ -125,10 +125,12 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     each microbatch goes round the stages R times (M >= S), so the bubble falls from
     (S-1)/(M+S-1) to (S-1)/(R M+S-1) of a stage's time, at R times the shifts.
     `keep_placement=True` keeps a circular schedule's stacked layers, with their optimizer
-    state, in that placement between steps rather than moving them there every step: the
-    step returns its state as `autopar.Placed` (pass it back as it is; `autopar.unpack(state)`
-    gives your tree, with the layers in your order). Off by default: the state you get back
-    is then not your tree until unpacked (schedule/stored.py).
+    state, in that placement between steps rather than moving them there every step, and a
+    Python loop's per-layer leaves stacked on their stages rather than stacked every step:
+    the step returns its state as `autopar.Placed` (pass it back as it is;
+    `autopar.unpack(state)` gives your tree, with the layers in your order). Off by default:
+    the state you get back is then not your tree until unpacked (schedule/stored.py,
+    schedule/lanes.py).
     `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
     fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
     each divisor), several microbatch counts and repeats, and keeps the schedule estimated

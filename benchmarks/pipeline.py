@@ -30,10 +30,12 @@ CASES = {"one batch": ({"data": 8}, 1, 1, 1, True, False),
          "accumulated": ({"data": 8}, 8, 1, 1, True, False),
          "2 stages": ({"stage": 2, "data": 4}, 8, 2, 1, True, False),
          "2 stages, Python loop": ({"stage": 2, "data": 4}, 8, 2, 1, False, False),
+         "2 stages, Python loop, stored": ({"stage": 2, "data": 4}, 8, 2, 1, False, True),
          "2 stages, circular": ({"stage": 2, "data": 4}, 8, 2, 2, True, False),
          "2 stages, circular, stored": ({"stage": 2, "data": 4}, 8, 2, 2, True, True),
          "4 stages": ({"stage": 4, "data": 2}, 8, 4, 1, True, False),
          "4 stages, Python loop": ({"stage": 4, "data": 2}, 8, 4, 1, False, False),
+         "4 stages, Python loop, stored": ({"stage": 4, "data": 2}, 8, 4, 1, False, True),
          "4 stages, circular": ({"stage": 4, "data": 2}, 8, 4, 2, True, False),
          "4 stages, circular, stored": ({"stage": 4, "data": 2}, 8, 4, 2, True, True),
          "8 stages": ({"stage": 8}, 8, 8, 1, True, False)}
@@ -118,7 +120,8 @@ def markdown(result: dict[str, Any]) -> str:
              "the batch's other axes, the gradient reduced once after the loop (1: none). "
              "R: rounds each microbatch makes through the stages (the circular schedule, "
              "`pipeline_repeats`); \"stored\": with keep_placement=True, the stack and its "
-             "optimizer state kept in the circular placement between steps. "
+             "optimizer state kept in the circular placement between steps (a Python loop's "
+             "per-layer leaves: kept stacked, schedule/lanes.py). "
              "\"hand-written GPipe\": the same S and M as a JAX user "
              "writes it in plain jax.jit (benchmarks/pipeline_expert.py); it has no estimate.",
              "",
