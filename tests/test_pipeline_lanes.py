@@ -152,3 +152,52 @@ def test_a_stacked_plan_has_no_per_leaf_input_shardings_and_unpacks_for_other_st
     ref_state, ref_loss = jax.jit(step)(autopar.unpack(placed), data)
     _, loss = flat(placed, data)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+
+
+def test_plain_jax_layers_with_sgd_momentum_and_a_metric_of_the_gradient_stay_stacked():
+    """Plain JAX: a list of layers, optax's SGD with momentum, and two metrics of the
+    gradient that each square every layer's gradient again (one group, twice per layer)."""
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def loss(params, x, y):
+        h = x @ params["w_in"]
+        for layer in params["layers"]:
+            h = h + jnp.tanh(h @ layer["w"] + layer["b"])
+        return jnp.mean((h @ params["w_out"] - y) ** 2)
+
+    def step(state, batch):
+        params, opt_state = state
+        value, grads = autopar.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        size = sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads))
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+        return (optax.apply_updates(params, updates), opt_state), (value, size + norm)
+
+    k = jax.random.split(jax.random.key(5), 12)
+    params = {"w_in": jax.random.normal(k[0], (8, 32)) / 3,
+              "layers": [{"w": jax.random.normal(k[1 + i], (32, 32)) / 6,
+                          "b": jax.random.normal(k[7 + i], (32,)) / 6} for i in range(4)],
+              "w_out": jax.random.normal(k[5], (32, 2)) / 6}
+    batch = (jax.random.normal(k[6], (16, 8)), jax.random.normal(k[11], (16, 2)))
+    state = (params, tx.init(params))
+
+    def two_steps(step_fn):
+        s, metrics = copy_tree(state), []
+        for _ in range(2):
+            s, (value, size) = step_fn(s, batch)
+            metrics.append((float(value), float(size)))
+        return s, metrics
+    ref_state, ref_metrics = two_steps(jax.jit(step))
+    sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(MESH), keep_placement=True,
+                                    **GPIPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.AutoparWarning)
+        placed, metrics = two_steps(sharded)
+    np.testing.assert_allclose(metrics, ref_metrics, rtol=1e-5)
+    assert global_relative_error(ref_state, autopar.unpack(placed)) < 1e-4
+    plan = sharded.plan(placed, batch)
+    assert plan.lanes.families == 4  # w, b and their momenta
+    # the metrics' squares run over the stacks too: no layer's gradient is read alone, only
+    # each layer's sum of squares (a scalar row of a [4] stack)
+    rows = [op for op in plan.ops if op.primitive == "slice" and op.in_shapes[0][0] == 4]
+    assert rows and all(op.in_shapes[0] == (4,) for op in rows), rows

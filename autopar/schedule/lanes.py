@@ -258,8 +258,10 @@ class _Search:
         return ("computed", self.same[v]) if v in self.same else ("shared", v)
 
     def incomplete(self) -> set:
+        """Groups missing a layer. A layer may have the group's computation more than once
+        (its gradient squared for a norm and again for a metric): one result serves all."""
         return {key for key, got in self.members.items()
-                if sorted(got) != list(range(self.group_length[key]))}
+                if set(got) != set(range(self.group_length[key]))}
 
 
 def _literal_key(v: Any) -> Any:
