@@ -24,7 +24,7 @@ from autopar.schedule.choice import planned_schedule
 from autopar.schedule.microbatches import check_microbatches
 from autopar.schedule.gpipe import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
-from autopar.planning.assemble import assemble, output_specs
+from autopar.planning.assemble import assemble, output_specs, pipeline_detail
 from autopar.planning.pins import Annotations, check_annotations_type
 from autopar.planning.pipeline import Planning
 from autopar.planning.saved import decisions_from_plan
@@ -291,11 +291,14 @@ class AutoParallel:
             plan = assemble(graph, decisions, shape, self.hw, self.saved.search,
                             dict(self.saved.search_stats), in_tree, plan_out_tree,
                             buffers=buffer_model(self.platform))
-            return dataclasses.replace(plan, microbatches=self.microbatches,
+            plan = dataclasses.replace(plan, microbatches=self.microbatches,
                                        microbatch_groups=self.saved.microbatch_groups,
                                        pipeline_stages=self.stages,
                                        pipeline_repeats=self.repeats, stored=stored,
                                        lanes=lanes)
+            if self.stages > 1:
+                plan = dataclasses.replace(plan, pipeline=pipeline_detail(graph, plan))
+            return plan
 
         return self._signature(graph, decisions, dict(self.saved.mesh),
                                output_specs(graph, decisions), out_tree, assembled, stored,

@@ -157,6 +157,9 @@ class Plan:
     stored: Storage | None = None
     # a Python loop's layers kept stacked between steps (keep_placement=True, schedule/lanes.py)
     lanes: Lanes | None = None
+    # a pipelined plan's stages: their layers and sub-mesh, ticks, bubble, the tick loops'
+    # estimated seconds (planning/assemble.pipeline_detail)
+    pipeline: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
 
@@ -218,6 +221,8 @@ class Plan:
         if self.pipeline_stages > 1:
             lines.append(pipeline_line(self.pipeline_stages, self.microbatches,
                                        self.microbatch_groups, self.pipeline_repeats))
+            if self.pipeline:
+                lines.append(stages_line(self.pipeline))
             if self.stored is not None:
                 lines.append(stored_line(self.stored, self.inputs))
             if self.lanes is not None:
@@ -322,6 +327,17 @@ def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int 
             f"bubble {(stages - 1) / ticks:.0%} of each stage's time"
             + (f"; each stage's microbatch in {shares} shares, its gradient reduced once after "
                "the loop" if shares > 1 else ""))
+
+
+def stages_line(detail: dict[str, Any]) -> str:
+    """The summary's line on a pipeline's stages (planning/assemble.pipeline_detail)."""
+    held = "; ".join(f"stage {s}: layers " + ", ".join(f"{a}-{b}" if b > a else str(a)
+                                                       for a, b in ranges)
+                     for s, ranges in enumerate(detail["stage_layers"]))
+    sub = " x ".join(f"{n} {k}" for n, k in detail["sub_mesh"].items()) or "one device"
+    return (f"{held} (of {detail['layers']}); each stage on a sub-mesh of {sub}, one "
+            f"program: the tick loops, forward and backward of {detail['ticks']} ticks, "
+            f"estimated {detail['tick_loops_s'] * 1e3:.3f} ms and the plan's memory per device")
 
 
 def stored_line(stored: Storage, inputs: tuple[TensorPlan, ...]) -> str:

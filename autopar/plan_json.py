@@ -277,6 +277,7 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
         **({"microbatch_groups": plan.microbatch_groups} if plan.microbatch_groups > 1 else {}),
         **({"pipeline_stages": plan.pipeline_stages} if plan.pipeline_stages > 1 else {}),
         **({"pipeline_repeats": plan.pipeline_repeats} if plan.pipeline_repeats > 1 else {}),
+        **({"pipeline": plan.pipeline} if plan.pipeline else {}),
         **({"stored_in_placement": stored_json(plan.stored)} if plan.stored else {}),
         **({"stored_stacked": {"inputs": [list(o) for o in plan.lanes.inputs],
                                "outputs": [list(o) for o in plan.lanes.outputs]}}
@@ -335,6 +336,7 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
         microbatch_groups=int(body.get("microbatch_groups", 1)),
         pipeline_stages=int(body.get("pipeline_stages", 1)),
         pipeline_repeats=int(body.get("pipeline_repeats", 1)), inputs=inputs,
+        pipeline=body.get("pipeline", {}),
         stored=stored_from(body.get("stored_in_placement")),
         lanes=lanes_from(body.get("stored_stacked"), inputs),
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),

@@ -148,8 +148,10 @@ def main() -> None:
             table = device.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
-            result = {**pipeline.run(log=log), **pipeline.choice(log=log)}
-            table = pipeline.markdown(result) + "\n" + pipeline.choice_markdown(result)
+            result = {**pipeline.run(log=log), **pipeline.choice(log=log),
+                      **pipeline.choice_within(log=log)}
+            table = (pipeline.markdown(result) + "\n" + pipeline.choice_markdown(result)
+                     + "\n" + pipeline.within_markdown(result))
         else:
             print("sharding propagation benchmark", flush=True)
             cases = propagation.QUICK_CASES if args.quick else propagation.CASES

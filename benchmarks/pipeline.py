@@ -74,6 +74,7 @@ def run(cases: dict[str, tuple[dict, int, int, int, bool, bool]] = CASES, batch:
                                               and k != "peak_memory_bytes"),
             "estimated_memory_bytes": plan.cost["peak_memory_bytes"],
             "estimated_ms": plan.cost["total_s"] * 1e3,
+            **({"tick_loops_ms": plan.pipeline["tick_loops_s"] * 1e3} if plan.pipeline else {}),
             **_compiled(sharded.lower(state, data).compile(), mesh)})
         r = rows[-1]
         log(f"{name}: collectives {r['compiled_collective_bytes'] / MiB:.2f} MiB compiled, "
@@ -123,12 +124,15 @@ def markdown(result: dict[str, Any]) -> str:
              "optimizer state kept in the circular placement between steps (a Python loop's "
              "per-layer leaves: kept stacked, schedule/lanes.py). "
              "\"hand-written GPipe\": the same S and M as a JAX user "
-             "writes it in plain jax.jit (benchmarks/pipeline_expert.py); it has no estimate.",
+             "writes it in plain jax.jit (benchmarks/pipeline_expert.py); it has no estimate. "
+             "Estimated tick loops: the forward and backward loops of R M + S - 1 ticks, "
+             "bubble included, that every stage runs on its L/S layers (plan.pipeline).",
              "",
              "| program | mesh | M | S | R | shares | bubble | collectives compiled MiB (inside "
              "loops: kinds) | predicted MiB | permutes (MiB) | judged collective ms | "
-             "memory estimate MiB | compiled MiB | judged h100 ms | estimated ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "memory estimate MiB | compiled MiB | judged h100 ms | estimated ms | "
+             "estimated tick loops ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["pipeline"]:
         def estimate(key: str, scale: float, digits: int) -> str:
             return f"{r[key] / scale:.{digits}f}" if key in r else "-"
@@ -143,7 +147,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r.get('judged_collective_ms', float('nan')):.3f} | "
             f"{estimate('estimated_memory_bytes', MiB, 1)} | "
             f"{r['compiled_memory_bytes'] / MiB:.1f} | {r['judged_ms']:.3f} | "
-            f"{estimate('estimated_ms', 1, 3)} |")
+            f"{estimate('estimated_ms', 1, 3)} | {estimate('tick_loops_ms', 1, 3)} |")
     return "\n".join(lines)
 
 
@@ -206,6 +210,37 @@ def choice(networks: tuple[float, ...] = NETWORKS, config: dict | None = None,
     return {"choice": rows, "choice_config": config, "choice_batch": batch, "choice_seq": seq}
 
 
+def choice_within(limits: tuple[float, ...] = (12 * 2**30, 6 * 2**30),
+                  networks: tuple[float, ...] = (5e10, 1e10), config: dict | None = None,
+                  batch: int = 32, seq: int = 512, log: Callable[[str], None] = print
+                  ) -> dict[str, Any]:
+    """What pipeline="auto" keeps for the same GPT under memory limits (bytes per device) per
+    network: the kept schedule, every one weighed, and the kept plan compiled (its memory
+    beside the limit)."""
+    config = {**CHOICE_CONFIG, **(config or {})}
+    _, state, data = models.gpt_abstract(batch=batch, seq=seq, **config)
+    step = models.linen_step(models.GPT(**config), models.token_loss, optax.adamw(1e-3),
+                             autopar.value_and_grad)
+    mesh = autopar.make_mesh({"stage": 4, "data": 2})
+    rows = []
+    for limit in limits:
+        for bandwidth in networks:
+            chosen = autopar.auto_parallel(step, mesh=mesh, pipeline="auto", donate_argnums=0,
+                                           hardware=two_per_node(bandwidth), memory_limit=limit)
+            plan = chosen.plan(state, data)
+            program = chosen.lower(state, data).compile()
+            rows.append({"limit_bytes": limit, "network_bytes_per_s": bandwidth,
+                         "stages": plan.pipeline_stages, "microbatches": plan.microbatches,
+                         "repeats": plan.pipeline_repeats, "shares": plan.microbatch_groups,
+                         "estimated_ms": plan.cost["total_s"] * 1e3,
+                         "estimated_memory_bytes": plan.cost["peak_memory_bytes"],
+                         "compiled_memory_bytes": compiled_memory_bytes(program),
+                         "tried": plan.search_stats["schedules_tried"]})
+            log(f"limit {limit / 2**30:g} GiB, network {bandwidth:g} B/s: "
+                f"{_schedule_name(rows[-1])}")
+    return {"choice_within": rows}
+
+
 def _schedule_name(r: dict[str, Any]) -> str:
     if r["stages"] == 1:
         return "no pipeline" + (f", {r['microbatches']} microbatches" if r["microbatches"] > 1
@@ -218,6 +253,33 @@ def _schedule_name(r: dict[str, Any]) -> str:
 def _by_kind(cost: dict[str, float]) -> dict[str, float]:
     return {k[:-len("_bytes")]: v for k, v in cost.items()
             if k.endswith("_bytes") and k != "peak_memory_bytes" and v}
+
+
+def _tried(t: dict, kept: dict) -> str:
+    """One schedule pipeline="auto" weighed, for a table: in bold where it was kept."""
+    name = f"{t['stages']}x{t['microbatches']}"
+    if t.get("repeats", 1) > 1:
+        name += f"x{t['repeats']} rounds"
+    if "total_ms" not in t:
+        return f"{name}: left out"
+    chosen = ((t["stages"], t["microbatches"], t.get("repeats", 1))
+              == (kept["stages"], kept["microbatches"], kept.get("repeats", 1)))
+    return f"**{name}: {t['total_ms']:.2f}**" if chosen else f"{name}: {t['total_ms']:.2f}"
+
+
+def within_markdown(result: dict[str, Any]) -> str:
+    lines = ["", "## pipeline=\"auto\" under a memory limit: the same GPT and mesh", "",
+             "Schedules that do not fit the limit are left out; the kept plan is compiled for "
+             "8 simulated devices and its memory (XLA CPU) set beside the limit.", "",
+             "| limit GiB | network GB/s | schedules (S x M: estimated ms) | kept | estimated ms | "
+             "memory estimate MiB | compiled MiB |", "|---|---|---|---|---|---|---|"]
+    for r in result["choice_within"]:
+        lines.append(
+            f"| {r['limit_bytes'] / 2**30:g} | {r['network_bytes_per_s'] / 1e9:g} | "
+            f"{', '.join(_tried(t, r) for t in r['tried'])} | {_schedule_name(r)} | "
+            f"{r['estimated_ms']:.2f} | {r['estimated_memory_bytes'] / MiB:.0f} | "
+            f"{r['compiled_memory_bytes'] / MiB:.0f} |")
+    return "\n".join(lines)
 
 
 def choice_markdown(result: dict[str, Any]) -> str:
@@ -236,20 +298,11 @@ def choice_markdown(result: dict[str, Any]) -> str:
              "judged collective ms kept / flat | memory MiB kept / flat |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["choice"]:
-        def schedule(t: dict) -> str:
-            name = f"{t['stages']}x{t['microbatches']}"
-            if t.get("repeats", 1) > 1:
-                name += f"x{t['repeats']} rounds"
-            if "total_ms" not in t:
-                return f"{name}: left out"
-            kept = ((t["stages"], t["microbatches"], t.get("repeats", 1))
-                    == (r["stages"], r["microbatches"], r.get("repeats", 1)))
-            return f"**{name}: {t['total_ms']:.2f}**" if kept else f"{name}: {t['total_ms']:.2f}"
         totals = {k: (sum(v["predicted"].values()) / MiB, sum(v["compiled"].values()) / MiB)
                   for k, v in (("chosen", r["chosen"]), ("flat", r["flat"]))}
         lines.append(
             f"| {r['network_bytes_per_s'] / 1e9:g} | "
-            f"{', '.join(schedule(t) for t in r['tried'])} | "
+            f"{', '.join(_tried(t, r) for t in r['tried'])} | "
             f"{_schedule_name(r)} | "
             f"{r['planning_s']:.1f} | {totals['chosen'][0]:.0f} / {totals['chosen'][1]:.0f} | "
             f"{totals['flat'][0]:.0f} / {totals['flat'][1]:.0f} | "

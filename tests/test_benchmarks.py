@@ -123,6 +123,16 @@ def test_pipeline_choice_suite_smoke():
     assert "| 1 | **1x1: " in table or ("| 1 | 1x1: " in table and "| 4 stages x" in table)
 
 
+def test_pipeline_choice_within_a_memory_limit_smoke():
+    from benchmarks import pipeline
+    result = pipeline.choice_within((2**30,), (1e9,), config=dict(vocab=64, d_model=32,
+                                                                  heads=4, layers=4),
+                                    batch=16, seq=16, log=lambda line: None)
+    (row,) = result["choice_within"]
+    assert row["estimated_memory_bytes"] <= row["limit_bytes"] and row["compiled_memory_bytes"]
+    assert "| 1 | 1 | " in pipeline.within_markdown(result)
+
+
 def test_hand_written_gpipe_equals_one_device():
     """The pipeline suite's baseline computes the model's own step."""
     import jax

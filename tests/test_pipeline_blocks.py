@@ -33,6 +33,14 @@ def test_a_python_loop_of_blocks_is_pipelined_equal_to_one_device(mesh, microbat
                                        pipeline=mesh["stage"])
     assert plan.pipeline_stages == mesh["stage"] and plan.microbatches == microbatches
     assert f"pipelined over {mesh['stage']} stages" in plan.summary()
+    # the plan names each stage's layers and sub-mesh, and prices the tick loops
+    per = 4 // mesh["stage"]
+    assert plan.pipeline["stage_layers"] == [[[s * per, s * per + per - 1]]
+                                             for s in range(mesh["stage"])]
+    assert plan.pipeline["sub_mesh"] == {"data": mesh["data"]}
+    assert 0 < plan.pipeline["tick_loops_s"] < plan.cost["total_s"]
+    assert "stage 1: layers " in plan.summary()
+    assert autopar.Plan.from_json(plan.to_json()).pipeline == plan.pipeline
 
 
 def test_the_loop_of_a_python_stack_only_shifts_activations():

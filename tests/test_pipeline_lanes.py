@@ -57,6 +57,9 @@ def test_a_python_loops_layers_stay_stacked_and_train_equal_to_one_device(repeat
     # each block's 16 weights and Adam's two moments of each: 48 stacks of 4 layers
     assert plan.lanes.families == 48 and plan.lanes.layers == 4
     assert "Python loop's layers stored stacked between steps: 48 families" in plan.summary()
+    # stage s holds chunks s, s+S, ... of the 4 layers
+    assert plan.pipeline["stage_layers"] == ([[[0, 1]], [[2, 3]]] if repeats == 1 else
+                                             [[[0, 0], [2, 2]], [[1, 1], [3, 3]]])
     # Stacking the leaves every step moved the layers to their stages (an all-gather outside
     # the loop, in the plan that keeps the leaves); stored stacked, nothing moves them, and
     # every kind's bytes, predicted, equal the compiled program's.

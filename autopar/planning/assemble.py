@@ -14,6 +14,8 @@ from autopar.cost.xla import BufferModel, buffer_model
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import Spec, replicated
+from autopar.rules.kinds import ROTATE
+from autopar.schedule.ticks import STAGE_AXIS
 from autopar.trace.analysis import recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 
@@ -180,3 +182,29 @@ def output_specs(graph: OpGraph, decisions: Decisions,
         else:
             out.append(specs.get(t, replicated(len(graph.tensors[t].shape))))
     return out
+
+
+def pipeline_detail(graph: OpGraph, plan: Plan) -> dict[str, Any]:
+    """What a pipelined plan says of its stages: the layers each holds (GPipe: L/S consecutive
+    ones; circular: chunks s, s+S, ... of L/(S R)), the sub-mesh each runs on (the mesh but
+    'stage'), the ticks and bubble, and the estimated seconds of the tick loops (forward and
+    backward, bubble included). Every stage runs the same program on its sub-mesh, so each
+    has that time and the plan's memory per device.
+
+    The tick loops are the loops of R M + S - 1 trips that shift values between stages (a
+    pad, or the circular schedule's rotation); a stage's layers run in a loop inside them, so
+    the most an operator of theirs runs, over the ticks, is the layers of a chunk."""
+    stages, repeats = plan.pipeline_stages, plan.pipeline_repeats
+    ticks = repeats * plan.microbatches + stages - 1
+    in_ticks = {i for step, ids in graph.loop_ops.items()
+                if graph.program[step].eqn.params.get("length") == ticks
+                and any(graph.ops[i].primitive in ("pad", ROTATE) for i in ids) for i in ids}
+    chunk = max((graph.ops[i].repeat for i in in_ticks), default=0) // ticks
+    return {"layers": chunk * stages * repeats,
+            "stage_layers": [[[c * chunk, (c + 1) * chunk - 1]
+                              for c in range(s, stages * repeats, stages)]
+                             for s in range(stages)],
+            "sub_mesh": {n: k for n, k in plan.mesh if n != STAGE_AXIS},
+            "ticks": ticks, "bubble": (stages - 1) / ticks,
+            "tick_loops_s": sum(o.compute_s + o.communication_s for o in plan.ops
+                                if o.index in in_ticks)}

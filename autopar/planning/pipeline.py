@@ -17,7 +17,7 @@ from autopar.cost.xla import BufferModel, buffer_model
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, Plan
-from autopar.planning.assemble import Candidate, assemble, tally, written_up
+from autopar.planning.assemble import Candidate, assemble, pipeline_detail, tally, written_up
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.problem import AutoparWarning, Unit, make_units
@@ -134,10 +134,13 @@ class Planning:
         chosen = dataclasses.replace(chosen, stats=exactness(chosen.stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.plan_out_tree, memory_limit, self.buffers)
-        return chosen.decisions, dataclasses.replace(
+        plan = dataclasses.replace(
             plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups,
             pipeline_stages=self.pipeline_stages, pipeline_repeats=self.pipeline_repeats,
             stored=self.stored, lanes=self.lanes)
+        if self.pipeline_stages > 1:
+            plan = dataclasses.replace(plan, pipeline=pipeline_detail(self.graph, plan))
+        return chosen.decisions, plan
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:

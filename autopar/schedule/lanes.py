@@ -50,7 +50,7 @@ from autopar.trace.tracer import argument_names, leaf_paths, state_pairs, trace
 Placement = dict[int, np.ndarray] | None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed as the object it is
 class LayerRow:
     """Layer `index` of a stored stack: a leaf of a state the step returned with its Python
     loop's layers stacked (read it through `autopar.unpack`)."""
@@ -246,7 +246,8 @@ class _Search:
         self.outputs = [None if isinstance(v, Literal) else desc.get(v) for v in jaxpr.outvars]
 
     def _group(self, eqn: Any, ins: list, lanes: list[_Lane]) -> Any:
-        if len({d.index for d in lanes}) != 1 or eqn.effects:
+        if (len({d.index for d in lanes}) != 1 or eqn.effects
+                or len({self.lengths[d.stack] for d in lanes}) != 1):
             return None
         operands = tuple(("lane", d.stack) if d is not None else self._operand(v)
                          for d, v in zip(ins, eqn.invars))
