@@ -305,8 +305,9 @@ class AutoParallel:
                                lanes)
 
     def _saved_lanes(self, step: Callable, call: Call, saved: Lanes) -> tuple:
-        """The step traced over the layers a saved plan stores stacked: its graph, Lanes and
-        output tree; an AutoparError where this step stores other leaves so."""
+        """The step traced over the layers a saved plan stores stacked (traced_lanes: its
+        graph, Lanes, output tree and the plan's trees); an AutoparError where this step
+        stacks other leaves."""
         found = traced_lanes(step, call.abstract(), call.donated, self.platform)
         if found is None or found[1] != saved:
             got = found[1].families if found else 0

@@ -46,7 +46,23 @@ Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled
 def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
            decisions: Decisions, p: Plan, make: Make, compiled_of: Compiled) -> Any:
     """The signature of the plan to run under `memory_limit`, starting from the budgeted
-    search's (`decisions`, `p`), compiled where the estimate's error could decide."""
+    search's (`decisions`, `p`), compiled where the estimate's error could decide. A plan
+    searched again here keeps what `p` says of the schedules pipeline="auto" weighed."""
+    made = _fitted(planning, shape, memory_limit, decisions, p, make, compiled_of)
+    tried = p.search_stats.get("schedules_tried")
+    if tried is not None:
+        plan_of = made.make_plan
+
+        def with_tried() -> Plan:
+            q = plan_of()
+            return dataclasses.replace(q, search_stats={**q.search_stats,
+                                                        "schedules_tried": tried})
+        made.make_plan = with_tried
+    return made
+
+
+def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
+            decisions: Decisions, p: Plan, make: Make, compiled_of: Compiled) -> Any:
     budgeted = "memory_price_s_per_byte" in p.search_stats
     if budgeted:
         unbudgeted, scale = _unbudgeted(planning, shape, memory_limit, make, compiled_of, p)

@@ -210,7 +210,7 @@ def choice(networks: tuple[float, ...] = NETWORKS, config: dict | None = None,
     return {"choice": rows, "choice_config": config, "choice_batch": batch, "choice_seq": seq}
 
 
-def choice_within(limits: tuple[float, ...] = (12 * 2**30, 6 * 2**30),
+def choice_within(limits: tuple[float, ...] = (12 * 2**30, 6 * 2**30, 4 * 2**30),
                   networks: tuple[float, ...] = (5e10, 1e10), config: dict | None = None,
                   batch: int = 32, seq: int = 512, log: Callable[[str], None] = print
                   ) -> dict[str, Any]:

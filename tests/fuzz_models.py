@@ -52,7 +52,8 @@ class Spec:
     norm: str = "none"                 # pre-norm in each block: "none" | "layer" | "rms"
     dropout: bool = False              # nn.Dropout after each block, rng key from the batch
     remat: bool = False                # nn.remat on blocks, jax.checkpoint on the lax.scan body
-    stack: str = "none"                # "none" | "nn_scan" (blocks as one scanned layer)
+    stack: str = "none"                # "none" | "nn_scan" (blocks as one scanned layer) |
+    #                                    "python_loop" (LAYERS copies, one after the other)
     lax_scan: bool = False             # then a lax.scan over stacked tanh layers
     pool: str = "none"                 # reduce over tokens before the head: "none"|"mean"|"sum"|"max"
     head: str = "classes"              # "classes" | "tied" (embed.attend) | "regression"
@@ -89,7 +90,7 @@ def specs(draw) -> Spec:
         norm=draw(st.sampled_from(["none", "layer", "rms"])) if blocks else "none",
         dropout=bool(blocks) and draw(st.booleans()),
         remat=bool(blocks or lax_scan) and draw(st.booleans()),
-        stack=draw(st.sampled_from(["none", "nn_scan"])) if blocks else "none",
+        stack=draw(st.sampled_from(["none", "nn_scan", "python_loop"])) if blocks else "none",
         lax_scan=lax_scan,
         pool=draw(st.sampled_from(["none", "mean", "sum", "max"])),
         # The tied head projects onto the embedding table, so it needs the token stem.
@@ -234,6 +235,9 @@ class Model(nn.Module):
                 stack = nn.scan(Layer, variable_axes={"params": 0},
                                 split_rngs={"params": True, "dropout": True}, length=LAYERS)
                 x, _ = stack(s, name="layers")(x, None)
+            elif s.stack == "python_loop":
+                for i in range(LAYERS):
+                    x, _ = Layer(s, name=f"layers_{i}")(x)
             else:
                 x, _ = Layer(s, name="layers")(x)
         if s.lax_scan:

@@ -58,11 +58,13 @@ def compiled_as_tables(monkeypatch):
 JUDGED_MS: dict = {}
 
 
-def run(compiled_mib: dict, judged_ms: dict | None = None) -> tuple[SimpleNamespace, Planner]:
+def run(compiled_mib: dict, judged_ms: dict | None = None, **stats) -> tuple[SimpleNamespace,
+                                                                            Planner]:
     """`compiled_mib`: plan name, or (name, 'propagated') for its loose lowering (default:
-    as pinned) -> MiB."""
+    as pinned) -> MiB; `stats`: more of the first plan's search_stats."""
     planner = Planner()
     decisions, p = planner.plan(None, LIMIT)
+    p = dataclasses.replace(p, search_stats={**p.search_stats, **stats})
 
     def compiled(made):
         d = made.decisions
@@ -86,6 +88,12 @@ def test_the_estimate_read_over_xla_scales_the_budget():
     assert made.decisions.name == "mid"
     assert made.make_plan().memory["compiled_bytes"] == 553 * MiB
     assert planner.asked[-1] == int(LIMIT * 649 / 583)
+
+
+def test_a_plan_searched_again_keeps_the_schedules_pipeline_auto_weighed():
+    made, _ = run({"free": 583, "mid": 553, "lean": 452}, schedules_tried=[{"stages": 1}])
+    assert made.decisions.name == "mid"
+    assert made.make_plan().search_stats["schedules_tried"] == [{"stages": 1}]
 
 
 def test_a_scaled_plan_over_the_limit_leaves_the_budgets():

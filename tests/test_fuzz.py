@@ -52,9 +52,9 @@ SEARCHES = ("dynamic_programming", "recursive_programming", "sharding_propagatio
 # One to three axes over the 8 devices; a size-1 axis and a mesh using half the devices too.
 MESHES = ({"a": 8}, {"a": 2, "b": 4}, {"a": 4, "b": 2}, {"a": 2, "b": 2, "c": 2},
           {"a": 1, "b": 8}, {"a": 2, "b": 1, "c": 4}, {"a": 4})
-# (microbatches, pipeline stages), one batch first. The models' stacks have LAYERS = 2 layers:
-# two stages of one layer each, on a mesh whose 'stage' axis has 2 devices.
-SCHEDULES = ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2))
+# (microbatches, pipeline stages[, keep_placement]), one batch first. The models' stacks have
+# LAYERS = 2 layers: two stages of one layer each, on a mesh whose 'stage' axis has 2 devices.
+SCHEDULES = ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 2, True))
 STAGED_MESHES = ({"stage": 2, "a": 4}, {"stage": 2, "a": 2, "b": 2}, {"stage": 2, "a": 1, "b": 4})
 
 # float32: reductions split over devices change only the summation order, so losses agree to
@@ -102,10 +102,10 @@ class CaseFailure(AssertionError):
 @st.composite
 def settings_for_case(draw) -> tuple[dict[str, int], str, str | None, tuple[int, int]]:
     """(mesh, search, batch axis, schedule): the axis that the batch's data and labels are
-    annotated to be split over, or None; the schedule as (microbatches, stages), the mesh
-    one with a 'stage' axis where the stages are more than one. sharding_propagation spreads
-    annotations and refuses a step without any, so it always gets one; the other searches get
-    one half the time."""
+    annotated to be split over, or None; the schedule as (microbatches, stages[,
+    keep_placement]), the mesh one with a 'stage' axis where the stages are more than one.
+    sharding_propagation spreads annotations and refuses a step without any, so it always gets
+    one; the other searches get one half the time."""
     schedule = draw(st.sampled_from(SCHEDULES))
     mesh = draw(st.sampled_from(MESHES if schedule[1] == 1 else STAGED_MESHES))
     search = draw(st.sampled_from(SEARCHES))
@@ -125,7 +125,7 @@ def check_case(spec: fuzz_models.Spec, mesh: dict[str, int], search: str,
     """Run one case; return its record, raising CaseFailure if the property fails."""
     record = {"spec": repr(spec), "mesh": mesh, "search": search, "batch_axis": axis,
               "schedule": schedule}
-    microbatches, stages = schedule
+    microbatches, stages, *keep = schedule
     step, state, batch = fuzz_models.build(spec)
     if microbatches > 1 and "dropout" in batch:
         # Split into microbatches, every leaf of the batch but a scalar must hold examples:
@@ -138,8 +138,10 @@ def check_case(spec: fuzz_models.Spec, mesh: dict[str, int], search: str,
             warnings.simplefilter("always", autopar.AutoparWarning)
             sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), search=search,
                                             annotations=annotations_for(axis),
-                                            microbatches=microbatches, pipeline=stages)
+                                            microbatches=microbatches, pipeline=stages,
+                                            keep_placement=bool(keep))
             new_state, losses = run_steps(sharded, copy_tree(state), batch, STEPS)
+            new_state = autopar.unpack(new_state)
     except autopar.AutoparError as e:
         return record | {"outcome": "autopar_error", "error": str(e).splitlines()[0]}
     except Exception as e:  # noqa: BLE001 - anything but an AutoparError breaks the property
@@ -253,7 +255,7 @@ def test_fuzz_matches_single_device():
              case=({"stage": 2, "a": 4}, "dynamic_programming", None, (4, 2)))
     def prop(spec, case):
         mesh, search, axis, schedule = case
-        if schedule[1] > 1 and spec.stack != "nn_scan" and not spec.lax_scan:
+        if schedule[1] > 1 and spec.stack == "none" and not spec.lax_scan:
             schedule = (schedule[0], 1)  # no layer stack to pipeline: accumulation alone
         key = (spec, tuple(mesh.items()), search, axis, schedule)
         if key in seen:  # hypothesis may draw a passed case again; it would only cost time

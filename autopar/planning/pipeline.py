@@ -71,9 +71,10 @@ class Planning:
         """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
         estimate reads) for a compiler of `platform` (default: the hardware profile's);
         `microbatches`, `microbatch_groups`, `pipeline_stages`, `pipeline_repeats`: how `fn`
-        accumulates its gradient, for the plan to say. `keep_placement`: the circular
-        schedule's stack stored in its placement where the step allows (traced twice: to
-        find which leaves, then reading them so)."""
+        accumulates its gradient, for the plan to say. `keep_placement`: a Python loop's
+        layers kept stacked (the step traced, then traced again over the stacks:
+        schedule/lanes.py), and the circular schedule's stack stored in its placement where
+        the step allows (traced again: to find which leaves, then reading them so)."""
         t0 = time.perf_counter()
         platform = platform or hw.platform
         found = (traced_lanes(fn, args, donated, platform)
