@@ -270,7 +270,10 @@ def _tried(t: dict, kept: dict) -> str:
 def within_markdown(result: dict[str, Any]) -> str:
     lines = ["", "## pipeline=\"auto\" under a memory limit: the same GPT and mesh", "",
              "Schedules that do not fit the limit are left out; the kept plan is compiled for "
-             "8 simulated devices and its memory (XLA CPU) set beside the limit.", "",
+             "8 simulated devices and its memory (XLA CPU) set beside the limit. Where XLA "
+             "compiles the kept plan over the limit, the compile check plans it again for a "
+             "smaller estimate: the estimated ms and memory are then those of the plan that "
+             "runs, not of the schedule's entry.", "",
              "| limit GiB | network GB/s | schedules (S x M: estimated ms) | kept | estimated ms | "
              "memory estimate MiB | compiled MiB |", "|---|---|---|---|---|---|---|"]
     for r in result["choice_within"]:
