@@ -387,17 +387,16 @@ class AutoParallel:
     def input_shardings(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """Where the step wants its arguments, as jax's Compiled.input_shardings: (positional,
         keyword), each argument a pytree of NamedSharding (None for a static one). Arguments
-        may be ShapeDtypeStructs. For the batch: autopar.process_rows, autopar.global_batch."""
+        may be ShapeDtypeStructs. For the batch: autopar.process_rows, autopar.global_batch.
+        Where the plan keeps a Python loop's layers stacked, it takes each family as one
+        array; a layer's leaf gets its row of that array's sharding (the stack's spec without
+        the layers' dimension), and is stacked on the way in."""
         call = self._call(args, kwargs)
         made = self._compiled(call)
+        specs = list(made.decisions.inputs)
         if made.lanes is not None:
-            raise AutoparError(
-                "this plan keeps the Python loop's layers stacked (keep_placement=True): it "
-                "takes each family of layers as one array, which has no sharding per leaf of "
-                "your tree. Fix: pass the step the state it returned (or your tree: it is "
-                "stacked on the way in); plan.inputs gives the stacked inputs' specs.")
-        leaves = iter(NamedSharding(made.mesh, to_partition_spec(s))
-                      for s in made.decisions.inputs)
+            specs = made.lanes.user_specs(specs)
+        leaves = iter(NamedSharding(made.mesh, to_partition_spec(s)) for s in specs)
         by_slot = {w: t.unflatten([next(leaves) for _ in range(t.num_leaves)])
                    for w, t in zip(call.slots, call.trees)}
         return (tuple(by_slot.get(i) for i in range(len(args))),

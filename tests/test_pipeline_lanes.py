@@ -143,13 +143,19 @@ def test_a_layer_read_on_its_own_stays_the_users_leaf_with_a_warning():
     assert sharded.plan(placed, data).lanes.families == 45
 
 
-def test_a_stacked_plan_has_no_per_leaf_input_shardings_and_unpacks_for_other_steps():
+def test_a_stacked_plan_shards_each_layer_as_its_row_and_unpacks_for_other_steps():
     step, state, data = loop_gpt()
     mesh = autopar.make_mesh(MESH)
     sharded = autopar.auto_parallel(step, mesh=mesh, keep_placement=True, **GPIPE)
     placed, _ = sharded(copy_tree(state), data)
-    with pytest.raises(autopar.AutoparError, match="stacked"):
-        sharded.input_shardings(placed, data)
+    # a layer's leaf is sharded as its row of the stack (the way a checkpoint is restored)
+    (shardings, _), _ = sharded.input_shardings(placed, data)
+    plan = sharded.plan(placed, data)
+    stacked = {t.path: t.partition_spec for t in plan.inputs}
+    kernel = shardings[0]["params"]["block_2"]["mlp_in"]["kernel"]
+    stack_spec = stacked["state/0/params/block_0..block_3/mlp_in/kernel"]
+    assert tuple(kernel.spec) == tuple(stack_spec)[1:len(kernel.spec) + 1]
+    assert len(jax.tree_util.tree_leaves(shardings)) == len(jax.tree_util.tree_leaves(state))
     # a step planned otherwise (no pipeline) takes the stacked state as the user's leaves
     flat = autopar.auto_parallel(step, mesh=mesh)
     ref_state, ref_loss = jax.jit(step)(autopar.unpack(placed), data)

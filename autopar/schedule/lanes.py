@@ -115,6 +115,15 @@ class Lanes:
                 flat[k] = LayerRow(value, int(row_of[i]))
         return flat
 
+    def user_specs(self, specs: Sequence[Any]) -> list[Any]:
+        """The stacked inputs' specs (`Spec`s) as the user's leaves': a family's leaves get
+        their stack's without its first (the layers') dimension."""
+        out: list[Any] = [None] * sum(len(o) for o in self.inputs)
+        for spec, origin in zip(specs, self.inputs):
+            for k in origin:
+                out[k] = spec if len(origin) == 1 else tuple(spec[1:])
+        return out
+
     def stacked_abstract(self, shapes: Sequence[jax.ShapeDtypeStruct]
                          ) -> list[jax.ShapeDtypeStruct]:
         """The user's flat inputs' shapes as the stacked step's."""
