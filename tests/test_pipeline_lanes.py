@@ -58,6 +58,7 @@ def test_a_python_loops_layers_stay_stacked_and_train_equal_to_one_device():
     plan = sharded.plan(new_state, data)
     # each block's 16 weights and Adam's two moments of each: 48 stacks of 4 layers
     assert plan.lanes.families == 48 and plan.lanes.layers == 4
+    assert len(plan.stored.inputs) == 48  # the stacks themselves in the circular placement
     assert "Python loop's layers stored stacked between steps: 48 families" in plan.summary()
     # stage s holds chunks s, s+S, ... of the 4 layers
     assert plan.pipeline["stage_layers"] == [[[0, 0], [2, 2]], [[1, 1], [3, 3]]]
