@@ -168,6 +168,14 @@ def two_per_node(network_bandwidth: float) -> Any:
                                                            bandwidth=network_bandwidth)))
 
 
+def _choice_case(config: dict, batch: int, seq: int) -> tuple[Callable, Any, Any, Any]:
+    """The choice suite's GPT step (adamw, abstract state and batch) and mesh stage 4 x data 2."""
+    _, state, data = models.gpt_abstract(batch=batch, seq=seq, **config)
+    step = models.linen_step(models.GPT(**config), models.token_loss, optax.adamw(1e-3),
+                             autopar.value_and_grad)
+    return step, state, data, autopar.make_mesh({"stage": 4, "data": 2})
+
+
 def choice(networks: tuple[float, ...] = NETWORKS, config: dict | None = None,
            batch: int = 32, seq: int = 512, log: Callable[[str], None] = print
            ) -> dict[str, Any]:
@@ -175,10 +183,7 @@ def choice(networks: tuple[float, ...] = NETWORKS, config: dict | None = None,
     schedule weighed with its estimate, and the kept plan and the flat one compiled (collective
     bytes by kind, predicted beside compiled; memory)."""
     config = {**CHOICE_CONFIG, **(config or {})}
-    _, state, data = models.gpt_abstract(batch=batch, seq=seq, **config)
-    step = models.linen_step(models.GPT(**config), models.token_loss, optax.adamw(1e-3),
-                             autopar.value_and_grad)
-    mesh = autopar.make_mesh({"stage": 4, "data": 2})
+    step, state, data, mesh = _choice_case(config, batch, seq)
     rows = []
     for bandwidth in networks:
         hw = two_per_node(bandwidth)
@@ -217,11 +222,7 @@ def choice_within(limits: tuple[float, ...] = (12 * 2**30, 6 * 2**30, 4 * 2**30)
     """What pipeline="auto" keeps for the same GPT under memory limits (bytes per device) per
     network: the kept schedule, every one weighed, and the kept plan compiled (its memory
     beside the limit)."""
-    config = {**CHOICE_CONFIG, **(config or {})}
-    _, state, data = models.gpt_abstract(batch=batch, seq=seq, **config)
-    step = models.linen_step(models.GPT(**config), models.token_loss, optax.adamw(1e-3),
-                             autopar.value_and_grad)
-    mesh = autopar.make_mesh({"stage": 4, "data": 2})
+    step, state, data, mesh = _choice_case({**CHOICE_CONFIG, **(config or {})}, batch, seq)
     rows = []
     for limit in limits:
         for bandwidth in networks:

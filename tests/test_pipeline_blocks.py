@@ -97,9 +97,9 @@ class NnxStack(nnx.Module):
         return self.head(x)
 
 
-def test_nnx_layers_in_a_python_loop_are_pipelined():
+def nnx_stack_case(tx):
+    """A train step of NnxStack (4 layers) with the optimizer `tx`: step, state, batch."""
     graphdef, params = nnx.split(NnxStack(4, nnx.Rngs(0)), nnx.Param)
-    tx = optax.adamw(1e-2)
     k = jax.random.split(jax.random.key(3), 2)
     data = {"inputs": jax.random.normal(k[0], (16, 8)), "targets": jax.random.normal(k[1], (16, 4))}
 
@@ -112,7 +112,12 @@ def test_nnx_layers_in_a_python_loop_are_pipelined():
         updates, opt_state = tx.update(grads, opt_state, p)
         return (optax.apply_updates(p, updates), opt_state), value
 
-    plan = check_against_single_device(step, (params, tx.init(params)), data,
+    return step, (params, tx.init(params)), data
+
+
+def test_nnx_layers_in_a_python_loop_are_pipelined():
+    step, state, data = nnx_stack_case(optax.adamw(1e-2))
+    plan = check_against_single_device(step, state, data,
                                        autopar.make_mesh({"stage": 4, "data": 2}),
                                        microbatches=4, pipeline=4)
     assert plan.pipeline_stages == 4

@@ -11,9 +11,8 @@ import models
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from helpers import copy_tree, global_relative_error, run_steps
-from test_pipeline_blocks import NnxStack, loop_gpt
+from test_pipeline_blocks import loop_gpt, nnx_stack_case
 from test_pipeline_circular import by_kind
 
 import autopar
@@ -86,21 +85,8 @@ def test_nnx_layers_with_a_global_norm_stay_stacked():
     """A list of NNX layers, optax's global-norm clipping before adamw: the norm's per-layer
     sums are read one layer at a time (four scalars a family move), everything else runs
     over the stacks."""
-    graphdef, params = nnx.split(NnxStack(4, nnx.Rngs(0)), nnx.Param)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-    k = jax.random.split(jax.random.key(3), 2)
-    data = {"inputs": jax.random.normal(k[0], (16, 8)), "targets": jax.random.normal(k[1], (16, 4))}
-
-    def step(state, batch):
-        p, opt_state = state
-
-        def loss(p):
-            return models.mse(nnx.merge(graphdef, p)(batch["inputs"]), batch["targets"])
-        value, grads = autopar.value_and_grad(loss)(p)
-        updates, opt_state = tx.update(grads, opt_state, p)
-        return (optax.apply_updates(p, updates), opt_state), value
-
-    state = (params, tx.init(params))
+    step, state, data = nnx_stack_case(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)))
     ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"stage": 4, "data": 2}),
                                     keep_placement=True, microbatches=4, pipeline=4,
