@@ -123,24 +123,32 @@ def test_nnx_layers_in_a_python_loop_are_pipelined():
     assert plan.pipeline_stages == 4
 
 
-def test_a_plain_jax_loop_over_a_list_of_layers_is_pipelined():
-    """No Flax: a list of weight dicts, one residual tanh layer each, in a Python loop."""
+def plain_layers_case(seed):
+    """No Flax: a list of 4 weight dicts, one residual tanh layer each, in a Python loop: the
+    loss, its parameters and a batch."""
     def loss(params, x, y):
         h = x @ params["w_in"]
         for layer in params["layers"]:
             h = h + jnp.tanh(h @ layer["w"] + layer["b"])
         return jnp.mean((h @ params["w_out"] - y) ** 2)
 
-    def step(params, batch):
-        value, grads = autopar.value_and_grad(loss)(params, *batch)
-        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
-
-    k = jax.random.split(jax.random.key(4), 12)
+    k = jax.random.split(jax.random.key(seed), 12)
     params = {"w_in": jax.random.normal(k[0], (8, 32)) / 3,
               "layers": [{"w": jax.random.normal(k[1 + i], (32, 32)) / 6,
                           "b": jax.random.normal(k[7 + i], (32,)) / 6} for i in range(4)],
               "w_out": jax.random.normal(k[5], (32, 2)) / 6}
     batch = (jax.random.normal(k[6], (16, 8)), jax.random.normal(k[11], (16, 2)))
+    return loss, params, batch
+
+
+def test_a_plain_jax_loop_over_a_list_of_layers_is_pipelined():
+    """No Flax: a list of weight dicts, one residual tanh layer each, in a Python loop."""
+    loss, params, batch = plain_layers_case(4)
+
+    def step(params, batch):
+        value, grads = autopar.value_and_grad(loss)(params, *batch)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
+
     plan = check_against_single_device(step, params, batch,
                                        autopar.make_mesh({"stage": 2, "data": 4}),
                                        microbatches=4, pipeline=2)

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import copy_tree, global_relative_error, run_steps
-from test_pipeline_blocks import loop_gpt, nnx_stack_case
+from test_pipeline_blocks import loop_gpt, nnx_stack_case, plain_layers_case
 from test_pipeline_circular import by_kind
 
 import autopar
@@ -154,12 +154,7 @@ def test_plain_jax_layers_with_sgd_momentum_and_a_metric_of_the_gradient_stay_st
     """Plain JAX: a list of layers, optax's SGD with momentum, and two metrics of the
     gradient that each square every layer's gradient again (one group, twice per layer)."""
     tx = optax.sgd(0.05, momentum=0.9)
-
-    def loss(params, x, y):
-        h = x @ params["w_in"]
-        for layer in params["layers"]:
-            h = h + jnp.tanh(h @ layer["w"] + layer["b"])
-        return jnp.mean((h @ params["w_out"] - y) ** 2)
+    loss, params, batch = plain_layers_case(5)
 
     def step(state, batch):
         params, opt_state = state
@@ -169,12 +164,6 @@ def test_plain_jax_layers_with_sgd_momentum_and_a_metric_of_the_gradient_stay_st
         norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
         return (optax.apply_updates(params, updates), opt_state), (value, size + norm)
 
-    k = jax.random.split(jax.random.key(5), 12)
-    params = {"w_in": jax.random.normal(k[0], (8, 32)) / 3,
-              "layers": [{"w": jax.random.normal(k[1 + i], (32, 32)) / 6,
-                          "b": jax.random.normal(k[7 + i], (32,)) / 6} for i in range(4)],
-              "w_out": jax.random.normal(k[5], (32, 2)) / 6}
-    batch = (jax.random.normal(k[6], (16, 8)), jax.random.normal(k[11], (16, 2)))
     state = (params, tx.init(params))
 
     def two_steps(step_fn):
