@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.cost.model import partial_split, reshard_stops
-from autopar.lower_loop import pinnable_loop, run_loop, sharded_inside
+from autopar.lower_loop import pinnable_loop, remat_inputs, run_loop, sharded_inside
 from autopar.plan import Decisions
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
@@ -64,7 +64,7 @@ class _Lowering:
         self.recompute = decisions.recompute
         self.made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
         self.layer_of = recomputed_layer_of(graph, self.recompute)
-        self.outside = _remat_inputs(graph, self.made_by)
+        self.outside = remat_inputs(graph, graph.program)
         self.backward = (backward_steps(graph) if self.recompute or self.outside else set())
         # Steps that are one planning op whose partial sums need explicit collectives: run
         # under shard_map with psum / psum_scatter (see `explicit_collectives`).
@@ -306,20 +306,6 @@ def _local_params(mesh: Mesh, name: str, params: dict, st: Strategy) -> dict:
         if params.get(key, 1) > 1:
             local[key] = params[key] // math.prod(mesh.shape[a] for a in lhs[dim])
     return local
-
-
-def _remat_inputs(graph: OpGraph, made_by: dict[int, int]) -> dict[int, tuple[int, ...]]:
-    """remat (Step.remat) -> the values its steps read from outside it, constants left out."""
-    out: dict[int, dict[int, None]] = {}
-    for step in graph.program:
-        for g in step.remat:
-            reads = out.setdefault(g, {})
-            for t in step.inputs:
-                i = made_by.get(t)
-                if (not graph.tensors[t].const
-                        and (i is None or g not in graph.program[i].remat)):
-                    reads[t] = None
-    return {g: tuple(reads) for g, reads in out.items()}
 
 
 def _hold(values: list[Any], anchor: Any) -> list[Any]:

@@ -11,13 +11,18 @@ in the program), with the carries and the stacking buffers pinned to the plan's 
 step compiles to 929 MiB (1,697 predicted), judged 48 ms (docs/decisions.md, "Loops compiled
 as planned").
 
-A body holding a recomputation (jax.checkpoint inside the loop) is bound as a scan: its
-optimization barriers are the loop's own lowering, which this interpreter does not rebuild. So
-is a loop stacking PRNG keys (its buffers would start from zeros, which keys have not).
+A body holding a recomputation (jax.checkpoint inside the loop, the backward loop of an
+nn.scan over nn.remat blocks) is pinned too: each recomputation reads what it takes from
+outside it through one optimization barrier, as JAX lowers a checkpoint. Bound as a scan, its
+values were XLA's to place: in a pipelined stage it moved a bias from the stage axis onto the
+feature axis inside the recomputation, a resharding it could only do by replicating
+("Involuntary full rematerialization", XLA CPU, jax 0.10.2). A loop stacking PRNG keys is
+bound as a scan (its buffers would start from zeros, which keys have not).
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +32,14 @@ from autopar.trace.ir import OpGraph, Step
 from autopar.trace.tracer import scan_counts
 
 def pinnable_loop(graph: OpGraph, step: Step) -> bool:
-    """Whether `step` is a scan whose body the tracer recorded, free of recomputations, and
-    without PRNG keys among its results."""
+    """Whether `step` is a scan whose body the tracer recorded, without PRNG keys among its
+    results."""
     if step.eqn is None or step.eqn.primitive.name != "scan" or not step.outputs:
         return False
     body = graph.loop_bodies.get(step.outputs[0])
     keys = any(jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)
                for v in step.eqn.outvars)  # PRNG keys: no zeros to start their buffers from
-    return body is not None and not keys and not any(s.remat for s in body[0])
+    return body is not None and not keys
 
 
 def sharded_inside(lowering: Any, step: Step) -> bool:
@@ -59,6 +64,7 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
     carry_ids, x_ids = ids[nc:nc + ncarry], ids[nc + ncarry:]
     stacked = step.outputs[ncarry:]
     explicit = [lowering.explicit_of(s) for s in steps]  # reduce-scatters written out
+    outside = remat_inputs(graph, steps)
     # how the stacking reads each body result (the body may make it otherwise)
     read_as = {op.outputs[0]: lowering.decisions.ops[op.id].in_specs[0] for op in graph.ops
                if op.primitive == "scan_stack" and op.outputs[0] in stacked}
@@ -75,8 +81,21 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
 
         def read(t: int) -> Any:
             return env[t] if t in env else graph.const_values[t]
+        barred: dict[int, dict[int, Any]] = {}
+
+        def inside(path: tuple[int, ...], t: int) -> Any:
+            """`t` as the recomputation path[-1] reads it: from outside it, through its
+            barrier, read as the enclosing recomputation reads it."""
+            g = path[-1]
+            if t not in outside[g]:
+                return read(t)
+            if g not in barred:
+                held = [inside(path[:-1], u) if len(path) > 1 else read(u) for u in outside[g]]
+                barred[g] = dict(zip(outside[g], jax.lax.optimization_barrier(held)))
+            return barred[g][t]
         for k, s in enumerate(steps):
-            env.update(zip(s.outputs, lowering.run_step(s, read, explicit[k], in_loop=True)))
+            reader = functools.partial(inside, s.remat) if s.remat else read
+            env.update(zip(s.outputs, lowering.run_step(s, reader, explicit[k], in_loop=True)))
         results = [read(t) for t in outs]
         carry = [pin(v, spec(t)) for v, t in zip(results[:ncarry], carry_ids)]
         buffers = [pin(jax.lax.dynamic_update_index_in_dim(b, pin(v, read_as.get(t)), at, 0),
@@ -88,3 +107,18 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
     start = (0, [pin(v, spec(t)) for v, t in zip(init, carry_ids)], buffers)
     _, carry, buffers = jax.lax.while_loop(lambda state: state[0] < length, body, start)
     return [*carry, *buffers]
+
+
+def remat_inputs(graph: OpGraph, steps: Sequence[Step]) -> dict[int, tuple[int, ...]]:
+    """remat (Step.remat) -> the values its steps (of `steps`) read from outside it,
+    constants left out."""
+    made_by = {t: s for s in steps for t in s.outputs}
+    out: dict[int, dict[int, None]] = {}
+    for step in steps:
+        for g in step.remat:
+            reads = out.setdefault(g, {})
+            for t in step.inputs:
+                maker = made_by.get(t)
+                if not graph.tensors[t].const and (maker is None or g not in maker.remat):
+                    reads[t] = None
+    return {g: tuple(reads) for g, reads in out.items()}

@@ -1,5 +1,6 @@
 """Loops (scans) compiled as planned: a while loop over the body's steps, every value pinned
-(autopar/lower_loop.py), equal to one device, and a checkpointed body bound whole."""
+(autopar/lower_loop.py), equal to one device, a checkpointed body's recomputation behind its
+barrier."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -53,18 +54,27 @@ class RematStack(nn.Module):
         return nn.Dense(8)(x)
 
 
-def test_a_loop_with_a_checkpointed_body_is_bound_whole_and_equals_one_device():
-    """A body holding a recomputation keeps the scan's own lowering (its optimization
-    barriers); the loop without one is pinned; trained, both equal one device."""
+def test_a_loop_with_a_checkpointed_body_is_pinned_and_equals_one_device():
+    """The backward loop of an nn.scan over nn.remat blocks is pinned like any loop, its
+    recomputation reading what it takes from outside through an optimization barrier inside
+    the loop, as JAX lowers a checkpoint; trained, it equals one device."""
     model, tx = RematStack(), optax.adamw(1e-2)
-    x = jax.random.normal(jax.random.PRNGKey(0), (32, 16))
-    y = jax.random.normal(jax.random.PRNGKey(1), (32, 8))
+    # a batch large enough that the plan splits the loops (at 32 it keeps them whole)
+    x = jax.random.normal(jax.random.PRNGKey(0), (512, 16))
+    y = jax.random.normal(jax.random.PRNGKey(1), (512, 8))
     params = model.init(jax.random.PRNGKey(2), x)
     state, batch = (params, tx.init(params)), {"inputs": x, "targets": y}
     step = models.linen_step(model, models.mse, tx)
 
     graph, _, _ = trace(step, (state, batch))
     loops = [s for s in graph.program if s.eqn is not None and s.eqn.primitive.name == "scan"]
-    assert sorted(pinnable_loop(graph, s) for s in loops) == [False, True], loops
-    check_against_single_device(step, state, batch, autopar.make_mesh({"data": 4, "model": 2}),
-                                donate_argnums=0)
+    assert [any(b.remat for b in graph.loop_bodies[s.outputs[0]][0]) for s in loops] == [
+        False, True]
+    assert all(pinnable_loop(graph, s) for s in loops)
+    mesh = autopar.make_mesh({"data": 4, "model": 2})
+    text = autopar.auto_parallel(step, mesh=mesh).lower(state, batch).as_text()
+    loop_bodies = [b.split("stablehlo.return")[1] for b in text.split("stablehlo.while")[1:]]
+    assert len(loop_bodies) == 2, len(loop_bodies)
+    assert all("sdy.sharding_constraint" in body for body in loop_bodies), "a loop not pinned"
+    assert "optimization_barrier" in loop_bodies[1], "the backward loop's body has no barrier"
+    check_against_single_device(step, state, batch, mesh, donate_argnums=0)

@@ -165,7 +165,7 @@ class _Builder:
                 # evaluation has applied by now (the saved values are the remat's operands).
                 outs = inputs
             elif name == "scan":
-                outs = self.scan(eqn, inputs, source, repeat, sink, eqn_names)
+                outs = self.scan(eqn, inputs, source, repeat, sink, eqn_names, remat)
             else:
                 outs = [self.tensor(v.aval) for v in eqn.outvars]
                 const = all(self.is_const(t) for t in inputs) and not eqn.effects
@@ -189,9 +189,10 @@ class _Builder:
             self.tensors[t] = dataclasses.replace(old, const=True)
 
     def scan(self, eqn: Any, inputs: list[int], source: str, repeat: int,
-             sink: list[Step] | None, names: Any) -> list[int]:
+             sink: list[Step] | None, names: Any, remat: tuple[int, ...] = ()) -> list[int]:
         """Plan a scan's body once (costs x length); execute the scan whole, its body's own
-        steps kept apart (OpGraph.loop_bodies)."""
+        steps kept apart (OpGraph.loop_bodies). `remat`: the recomputations the scan is
+        inside (its step's Step.remat; its body's steps are a scope of their own)."""
         p = eqn.params
         body, body_consts = _open(p["jaxpr"])
         (n_const, n_carry), length = scan_counts(p), int(p["length"])
@@ -239,7 +240,7 @@ class _Builder:
             if sink is self.program:
                 self.loop_ops[len(self.program)] = body_ops
             self.loop_bodies[outs[0]] = (tuple(body_steps), tuple(body_in), tuple(body_outs))
-            sink.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires)))
+            sink.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires), remat))
         return outs
 
 
