@@ -191,20 +191,25 @@ class DropoutBlock(nn.Module):
 
 class DropoutLoop(nn.Module):
     """Blocks with dropout in a Python loop: each block folds its own constant (a hash of its
-    name) into the dropout key, so the copies differ in one literal each."""
+    name) into the dropout key, so the copies differ in one literal each. Checkpointed
+    (`remat`), each block is one `remat2` equation, the constant inside its body."""
+    remat: bool = False
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(16)(x)
+        block = nn.remat(DropoutBlock) if self.remat else DropoutBlock
         for i in range(4):
-            x = DropoutBlock(name=f"block_{i}")(x)
+            x = block(name=f"block_{i}")(x)
         return nn.Dense(3)(x).mean(1)
 
 
-@pytest.mark.parametrize("mesh, stages", [({"stage": 2, "data": 4}, 2),
-                                          ({"stage": 4, "data": 2}, 4)])
-def test_a_python_loop_of_blocks_with_dropout_is_pipelined_equal_to_one_device(mesh, stages):
-    step, state, data = dropout_setup(DropoutLoop())
+@pytest.mark.parametrize("mesh, stages, remat", [({"stage": 2, "data": 4}, 2, False),
+                                                 ({"stage": 4, "data": 2}, 4, False),
+                                                 ({"stage": 2, "data": 4}, 2, True)])
+def test_a_python_loop_of_blocks_with_dropout_is_pipelined_equal_to_one_device(mesh, stages,
+                                                                               remat):
+    step, state, data = dropout_setup(DropoutLoop(remat=remat))
     key = jax.random.key(7)
     ref_state, ref_loss = jax.jit(step)(state, data, key)
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), microbatches=4,

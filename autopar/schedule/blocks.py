@@ -12,6 +12,9 @@ and shapes), and every input of a copy is
   that differs between copies (the constant each layer folds into its dropout key: Flax
   derives a module's key from a hash of its name);
 - a literal, the same in every copy.
+A checkpointed layer (nn.remat) is one `remat2` equation whose body holds the layer's dropout
+constant: `hoisted` first passes such integer literals to the body as operands, so that the
+copies' equations are the same and their constants per-layer literals.
 Nothing of a copy is read after the run but the last copy's carries. `rolled` re-traces the
 jaxpr with the run replaced by a `lax.scan` of the first copy's equations over the per-layer
 values stacked [L, ...]: the loop gpipe.py pipelines, and whose gradient reaches each layer's
@@ -26,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.schedule.separable import bind_equation
 
@@ -204,6 +207,49 @@ def rolled(closed: Any, blocks: Blocks) -> Any:
              for v in jaxpr.invars]
     out = jax.make_jaxpr(run)(*avals)
     return ClosedJaxpr(out.jaxpr, out.consts)
+
+
+# Calls whose body takes its operands as they come, so one more operand is one more input of
+# the body: jax.checkpoint / nn.remat, and closed_call. (A pjit's operands also have
+# shardings and layouts each; none was seen holding a layer's constant.)
+_HOISTED_FROM = {"remat2": "jaxpr", "closed_call": "call_jaxpr"}
+
+
+def hoisted(closed: Any) -> Any:
+    """`closed` (a ClosedJaxpr) with the integer literals inside its calls (_HOISTED_FROM)
+    passed to the calls as operands: the same function, whose repeated checkpointed layers
+    are the same equations (see the module's docstring)."""
+    jaxpr, _ = _hoist(closed.jaxpr, inner=False)
+    return closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _hoist(jaxpr: Any, inner: bool) -> tuple[Any, list]:
+    """(`jaxpr` with its calls' integer literals hoisted to their operands and, if `inner`,
+    its own integer literals turned into new inputs after its others; those literals)."""
+    eqns, literals, new_inputs = [], [], []
+
+    def lift(v: Any) -> Any:
+        if inner and isinstance(v, Literal) and np.issubdtype(v.aval.dtype, np.integer):
+            literals.append(v)
+            new_inputs.append(Var(v.aval))
+            return new_inputs[-1]
+        return v
+    for eqn in jaxpr.eqns:
+        key = _HOISTED_FROM.get(eqn.primitive.name)
+        if key is not None:
+            body = eqn.params[key]
+            body_jaxpr, body_literals = _hoist(getattr(body, "jaxpr", body), inner=True)
+            if body_literals:
+                if isinstance(body, ClosedJaxpr):
+                    body_jaxpr = ClosedJaxpr(body_jaxpr, body.consts)
+                eqn = eqn.replace(invars=[*eqn.invars, *body_literals],
+                                  params={**eqn.params, key: body_jaxpr})
+        eqns.append(eqn.replace(invars=[lift(v) for v in eqn.invars]) if inner else eqn)
+    if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
+        return jaxpr, []
+    # the new inputs have no names: the debug info's names are dropped
+    return jaxpr.replace(invars=[*jaxpr.invars, *new_inputs], eqns=eqns,
+                         debug_info=jaxpr.debug_info.with_unknown_names()), literals
 
 
 def _signatures(eqns: list) -> np.ndarray:

@@ -39,7 +39,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.schedule.blocks import chain, find_blocks, rolled
+from autopar.schedule.blocks import chain, find_blocks, hoisted, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
 from autopar.schedule.separable import Separability, bind_equation, eqn_source
@@ -135,6 +135,7 @@ def _stack_of(full: Any, probe: Any, parts: int, diff: list[int], stages: int,
     try:
         return analysis, full, _find_stack(analysis, full, stages, repeats)
     except AutoparError:
+        full, probe = hoisted(full), hoisted(probe)
         found = find_blocks(full.jaxpr)
         at_microbatch = found and chain(probe.jaxpr, found.start, found.period, found.count)
         if not at_microbatch:
