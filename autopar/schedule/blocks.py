@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from autopar.schedule.separable import bind_equation
 
