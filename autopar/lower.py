@@ -98,6 +98,14 @@ class _Lowering:
         primitive, params = _constraint(self.mesh, spec)
         return primitive.bind(value, **params)
 
+    def pinned(self, t: int, value: Any) -> Any:
+        """`value`, read through a barrier, pinned as `t` was produced: past the barrier it
+        is a new value, XLA's to place. Left free, XLA split a depthwise convolution's input
+        over the channels there, then could not give the result the batch split the plan
+        pins ("Involuntary full rematerialization")."""
+        spec = self.produced.get(t)
+        return self.constrain(value, spec) if spec else value
+
     def execute(self, i: int, read: Callable[[int], Any]) -> list[Any]:
         """Run program step i on the values `read` gives; results constrained as planned."""
         return self.run_step(self.graph.program[i], read, self.explicit.get(i))
@@ -167,7 +175,7 @@ class _Run:
             if t not in self.env:  # a constant
                 return self.read(t)
             if t not in self.held:
-                self.held[t] = _hold([self.env[t]], anchor)[0]
+                self.held[t] = low.pinned(t, _hold([self.env[t]], anchor)[0])
             return self.held[t]
         if t not in self.again:
             self.again.update(zip(self.graph.program[i].outputs, low.execute(
@@ -186,7 +194,8 @@ class _Run:
             values = [self.inside(path[:-1], u) if len(path) > 1 else
                       self.reread(u, anchor) if self.recomputed(u) else self.read(u)
                       for u in low.outside[g]]
-            self.barred[g] = dict(zip(low.outside[g], _hold(values, anchor)))
+            self.barred[g] = {u: low.pinned(u, v)
+                              for u, v in zip(low.outside[g], _hold(values, anchor))}
         return self.barred[g][t]
 
     def anchor(self, inputs: Sequence[int]) -> Any:

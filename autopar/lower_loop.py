@@ -91,7 +91,8 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
                 return read(t)
             if g not in barred:
                 held = [inside(path[:-1], u) if len(path) > 1 else read(u) for u in outside[g]]
-                barred[g] = dict(zip(outside[g], jax.lax.optimization_barrier(held)))
+                barred[g] = {u: lowering.pinned(u, v) for u, v in
+                             zip(outside[g], jax.lax.optimization_barrier(held))}
             return barred[g][t]
         for k, s in enumerate(steps):
             reader = functools.partial(inside, s.remat) if s.remat else read
