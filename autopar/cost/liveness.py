@@ -15,8 +15,10 @@ from autopar.rules.factors import Spec, replicated
 from autopar.trace.analysis import backward_steps, edges, per_graph, recomputed_layer_of
 from autopar.trace.ir import OpGraph, Step
 
-# the tracer's markers of a loop's carries and slices: views of the loop's own buffers
-LOOP_MARKS = frozenset({"scan_carry", "scan_slice", "scan_carry_out", "scan_stack"})
+# The tracer's markers of a loop's carries and slices: views of buffers counted elsewhere. A
+# loop's stacked results and final carries (scan_stack, scan_carry_out) are not among them:
+# inside another loop's body they are that body's values (see `_Walk.loops`).
+LOOP_VIEWS = frozenset({"scan_carry", "scan_slice"})
 
 
 def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
@@ -273,11 +275,15 @@ class _Walk:
         """A loop's body runs inside its step: its values, the fused ones aside, held while
         the step runs. Counted without reuse, which bounds what the compiler keeps (an
         accumulated gradient's loop is a whole forward and backward pass: see
-        schedule/accumulate.py)."""
+        schedule/accumulate.py). The loop's own marks are outside `ids`; those among them
+        are an inner loop's, whose stacked results (a layer stack's residuals, one per
+        layer, in a microbatch loop) are buffers of the body. Taken for views, a d_model-1024
+        GPT's microbatch loop was estimated at 2,034 MiB a device where XLA CPU compiled
+        3,092 (docs/decisions.md, "Inner loops' results inside a microbatch loop")."""
         graph, out = self.graph, []
         fused = self.model.fused_values(graph)
         for i, ids in graph.loop_ops.items():
-            nbytes = sum(self.size(t) for k in ids if graph.ops[k].primitive not in LOOP_MARKS
+            nbytes = sum(self.size(t) for k in ids if graph.ops[k].primitive not in LOOP_VIEWS
                          for t in graph.ops[k].outputs if t not in fused)
             if nbytes:
                 out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
