@@ -353,11 +353,15 @@ def test_clear_errors_for_what_cannot_be_accumulated():
     assert plan.microbatches == 3
 
 
-def test_annotations_by_name_apply_and_the_estimate_sees_the_loop():
+@pytest.mark.parametrize("layers", [dict(layers=2), dict(layers=4, scan=True)],
+                         ids=["python_loop", "nn_scan"])
+def test_annotations_by_name_apply_and_the_estimate_sees_the_loop(layers):
     """The batch's paths keep the step's parameter names under microbatches, and the memory
     estimate counts the loop's values (without reuse: above the compiled step's, and falling
-    with M as the compiled step's does)."""
-    cfg = dict(vocab=128, d_model=64, heads=4, layers=2)
+    with M as the compiled step's does). With an nn.scan stack inside the microbatch loop,
+    its stacked residuals count too: taken for views, the scanned GPT's estimate at M = 4
+    read 2.94 MB where XLA compiled 4.87 (5.96 now)."""
+    cfg = dict(vocab=128, d_model=64, heads=4, **layers)
     _, state, batch = models.gpt_setup(batch=32, seq=64, **cfg)
     step = linen_step(models.GPT(**cfg), models.token_loss, optax.adamw(1e-3))
     estimated, compiled = {}, {}
