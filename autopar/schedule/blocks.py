@@ -244,7 +244,9 @@ def _hoist(jaxpr: Any, inner: bool) -> tuple[Any, list]:
                     body_jaxpr = ClosedJaxpr(body_jaxpr, body.consts)
                 eqn = eqn.replace(invars=[*eqn.invars, *body_literals],
                                   params={**eqn.params, key: body_jaxpr})
-        eqns.append(eqn.replace(invars=[lift(v) for v in eqn.invars]) if inner else eqn)
+        invars = [lift(v) for v in eqn.invars]
+        changed = any(a is not b for a, b in zip(invars, eqn.invars))
+        eqns.append(eqn.replace(invars=invars) if changed else eqn)
     if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
         return jaxpr, []
     # the new inputs have no names: the debug info's names are dropped
