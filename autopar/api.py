@@ -12,9 +12,10 @@ from jax.sharding import Mesh, NamedSharding
 from autopar.schedule.accumulate import step_of
 from autopar.calling import Call, Conventions, place, shape_and_dtype
 from autopar.collector import young_objects_only
-from autopar.cost.hardware import Hardware, get_profile
+from autopar.cost.hardware import Hardware
 from autopar.cost.xla import buffer_model
-from autopar.devices import compiler_platform, resolve_memory_limit
+from autopar.devices import (compiler_platform, local_device, mesh_profile,
+                             resolve_memory_limit, runs_here)
 from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
 from autopar.fitting import fitted
@@ -66,7 +67,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     check_pipeline(pipeline, microbatches, mesh, pipeline_repeats)
     call = Call(fn, Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                    donate_argnames), args, {})
-    hw = get_profile(hardware)
+    hw = mesh_profile(hardware, mesh)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     platform = compiler_platform(mesh, hw)
 
@@ -152,7 +153,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     plan = _saved_plan(plan, annotations)
     conventions = Conventions.of(fn, static_argnums, static_argnames, donate_argnums,
                                  donate_argnames)
-    hw = get_profile(hardware)
+    hw = mesh_profile(hardware, mesh)
     return AutoParallel(fn, mesh, search, hw, plan, annotations,
                         resolve_memory_limit(memory_limit, hw, mesh), conventions, microbatches,
                         batch_argnums, pipeline, pipeline_repeats, keep_placement)
@@ -179,6 +180,16 @@ def _check_real_mesh(mesh: Any) -> None:
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
                            "4}); to plan for devices you do not have, use autopar.plan(fn, "
                            "*args, mesh={...}).")
+
+
+def _check_runnable(mesh: Mesh) -> None:
+    device = local_device(mesh)
+    if device is None or not runs_here(device):
+        raise AutoparError(
+            f"the mesh {dict(mesh.shape)} is of compile-only devices "
+            f"({mesh.devices.flat[0].device_kind}): the step can be planned and compiled for "
+            "them, not run. Fix: use .plan(...), .lower(...).compile() or .input_shardings(...) "
+            "here, and call the step on a mesh of the real devices.")
 
 
 def _check_search(search: str) -> None:
@@ -362,6 +373,7 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         made = self._compiled(call, key)
+        _check_runnable(made.mesh)
         stored, lanes = made.stored, made.lanes
         if lanes is not None:  # the Python loop's layers, one array a family
             into, out_of = lanes.placements(stored)

@@ -1,7 +1,9 @@
-"""What the devices at hand say: their compiler's platform and their memory.
+"""What the devices at hand say: their compiler's platform, their kind and their memory.
 
 In several processes (jax.distributed) a mesh holds every process's devices, and only a
 process's own devices answer its questions (memory_stats), so the local ones are asked.
+Compile-only devices (a TPU topology from `jax.experimental.topologies` on a machine without
+one) have a platform and a kind but no runtime: their memory is the hardware profile's.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from autopar.cost.hardware import Hardware
+from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.memory import parse_bytes
 
 
@@ -32,8 +34,19 @@ def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
     if memory_limit is not None:
         return parse_bytes(memory_limit)
     device = local_device(mesh)
-    stats = device.memory_stats() if device is not None else None
+    stats = device.memory_stats() if device is not None and runs_here(device) else None
     return int((stats or {}).get("bytes_limit") or hw.memory_bytes)
+
+
+def runs_here(device: Any) -> bool:
+    """Whether `device` can run programs in this process: not a compile-only device."""
+    return device.local_hardware_id is not None
+
+
+def mesh_profile(hardware: Any, mesh: Any) -> Hardware:
+    """The hardware profile: the one named or given, else the one of the mesh's devices (a
+    TPU topology's kind picks its generation), else of jax's first device."""
+    return get_profile(hardware, local_device(mesh) if hardware is None else None)
 
 
 def compiler_platform(mesh: Any, hw: Hardware) -> str:

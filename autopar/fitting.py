@@ -31,6 +31,10 @@ from autopar.plan import Decisions, Plan
 from autopar.planning.pipeline import Planning
 
 CHECK_BAND = 0.85
+# The TPU model's estimates ran from 0.72 to 1.20 of the TPU compiler's peak on realistic
+# steps (docs/decisions.md, "TPU buffer model"): a plan estimated above this share of the
+# limit is compiled before it is used.
+UNCALIBRATED_BAND = 0.6
 COMPILE_CHECKS = 3
 COSTLY_BUDGET = 1.25
 # How far over memory_limit a plan may compile for its propagated lowering to be tried. The
@@ -72,8 +76,10 @@ def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
             scaled = _scaled(planning, shape, memory_limit, scale, p, make, compiled_of)
             if scaled is not None:
                 return scaled
-    # A platform without a calibrated buffer model is checked whenever the budget binds.
-    if (p.cost["peak_memory_bytes"] < CHECK_BAND * memory_limit
+    # A platform without a calibrated buffer model is checked whenever the budget binds, and
+    # wherever its estimate is within that model's error of the limit.
+    band = CHECK_BAND if planning.buffers.calibrated else UNCALIBRATED_BAND
+    if (p.cost["peak_memory_bytes"] < band * memory_limit
             and (planning.buffers.calibrated or not budgeted)):
         return make(decisions, p)
     limit, compiled = memory_limit, 0

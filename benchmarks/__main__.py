@@ -12,6 +12,9 @@ and `pipeline` (a GPT's layer stack over 1 to 8 pipeline stages, predicted again
 what pipeline="auto" keeps as the network between nodes slows); `device`, run by default only
 where jax's first device is an accelerator, measures the realistic models' steps on one chip
 beside their judged and estimated times.
+`tpu` sets our plans against MaxText-style experts on TPU slices of 64 to 512 chips, every
+program compiled by the TPU compiler (libtpu's compile-only topologies) and judged by
+benchmarks/judge.py, which shares no code with the planner.
 Results go to benchmarks/results/<suite>.md and .json, with the machine and versions, replacing
 the suite's previous results (quality's with --memory-matched add the memory-matched table).
 Timings are of this machine; compare them as ratios within one run.
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import jax  # noqa: E402
 
 from benchmarks import (accumulation, device, fidelity, memory, pipeline,  # noqa: E402
-                        planning, propagation, quality, quality_report)
+                        planning, propagation, quality, quality_report, tpu_suite)
 from benchmarks.zoo import ZOO  # noqa: E402
 
 TITLES = {"quality": "Plan quality against expert shardings, judged from compiled programs",
@@ -40,7 +43,9 @@ TITLES = {"quality": "Plan quality against expert shardings, judged from compile
           "memory": "Memory-aware planning benchmark",
           "accumulation": "Gradient accumulation: reduced once, predicted against compiled",
           "pipeline": "Pipeline parallelism: stages predicted against compiled",
-          "device": "One real accelerator: measured step times beside the judged ones"}
+          "device": "One real accelerator: measured step times beside the judged ones",
+          "tpu": "TPU slices: our plans against MaxText-style experts, compiled by the TPU "
+                 "compiler and judged independently"}
 # Suites run by default; `device` needs an accelerator and runs where one is at hand.
 DEFAULT_SUITES = [s for s in TITLES if s != "device" or jax.devices()[0].platform != "cpu"]
 
@@ -146,6 +151,13 @@ def main() -> None:
             result = device.run(args.models and _known(args.models, device.REALISTIC),
                                 args.hardware, log=log, hlo_dir=args.hlo_dir)
             table = device.markdown(result)
+        elif suite == "tpu":
+            cases = tpu_suite.QUICK if args.quick else tpu_suite.CASES
+            names = [m for m in args.models or () if m in cases] or list(cases)
+            print(f"tpu benchmark: cases {names}", flush=True)
+            result = tpu_suite.run({n: cases[n] for n in _known(names, cases)},
+                                   args.memory_matched, log=log)
+            table = tpu_suite.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
             result = {**pipeline.run(log=log), **pipeline.choice(log=log),

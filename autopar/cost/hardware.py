@@ -12,6 +12,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
@@ -180,16 +181,39 @@ PROFILES: dict[str, Hardware] = {
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
                "slices taken as v4's data-centre network (an assumption)."),
+    "tpu_v5e": Hardware(
+        "tpu_v5e", flops=197e12, memory_bandwidth=819e9, link_bandwidth=50e9 * 2,
+        link_latency=1e-5, platform="tpu", memory_bytes=16 * 10**9,
+        levels=(LinkLevel("ici", 256, 100e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
+        source="Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, "
+               "400 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus (50 GB/s each "
+               "way a port, two per mesh axis), pods of 256 chips; between slices 2 x 100 Gb/s "
+               "NICs per 8-chip host (3.125 GB/s per chip)."),
+    "tpu_v6e": Hardware(
+        "tpu_v6e", flops=918e12, memory_bandwidth=1638e9, link_bandwidth=100e9 * 2,
+        link_latency=1e-5, platform="tpu", memory_bytes=32 * 10**9,
+        levels=(LinkLevel("ici", 256, 200e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
+        source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s bf16, 32 GB HBM at "
+               "1,638 GB/s, 800 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus "
+               "(100 GB/s each way a port, two per mesh axis), pods of 256 chips; between "
+               "slices taken as v5e's data-centre network (an assumption)."),
 }
 
+# jax's device_kind of each TPU generation -> its profile. TPU v4's compile-only topologies
+# list each chip's two TensorCores as devices; the profile is a chip's.
+TPU_KINDS = {"tpu v4": "tpu_v4", "tpu v5 lite": "tpu_v5e", "tpu v5e": "tpu_v5e",
+             "tpu v5": "tpu_v5p", "tpu v5p": "tpu_v5p", "tpu v6 lite": "tpu_v6e",
+             "tpu v6e": "tpu_v6e"}
 
-def get_profile(hardware: "str | os.PathLike | Hardware | None") -> Hardware:
+
+def get_profile(hardware: "str | os.PathLike | Hardware | None", device: Any = None
+                ) -> Hardware:
     """A profile by name, from a JSON file (a path to an existing file, or one ending in
-    '.json'), the given one, or (None) the one matching jax's first device."""
+    '.json'), the given one, or (None) the one matching `device` (by default jax's first)."""
     if isinstance(hardware, Hardware):
         return hardware
     if hardware is None:
-        hardware = default_profile_name()
+        hardware = default_profile_name(device)
     if isinstance(hardware, str) and hardware in PROFILES:
         return PROFILES[hardware]
     if isinstance(hardware, os.PathLike) or (isinstance(hardware, str) and (
@@ -201,13 +225,16 @@ def get_profile(hardware: "str | os.PathLike | Hardware | None") -> Hardware:
         "with your device's numbers.")
 
 
-def default_profile_name() -> str:
+def default_profile_name(device: Any = None) -> str:
+    """The profile of `device` (a jax Device; by default jax's first) by its platform and
+    kind. A TPU of a kind not listed in TPU_KINDS gets 'tpu_v4', a GPU other than an H100 or
+    H200 'a100'."""
     import jax
 
-    device = jax.devices()[0]
+    device = jax.devices()[0] if device is None else device
     kind = getattr(device, "device_kind", "").lower()
     if device.platform == "tpu":
-        return "tpu_v4"
+        return TPU_KINDS.get(kind, "tpu_v4")
     if device.platform == "gpu":
         return "h100" if "h100" in kind or "h200" in kind else "a100"
     return "cpu"

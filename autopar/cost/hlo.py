@@ -200,9 +200,22 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 
 def compiled_memory_bytes(compiled: Any) -> int:
-    """Bytes one device holds to run `compiled` (a jax Compiled): arguments, outputs and
-    temporaries, less the outputs that reuse (alias) their donated arguments' buffers.
-    Not `peak_memory_in_bytes`: XLA's CPU compiler reports the arguments' size there."""
+    """Bytes one device holds to run `compiled` (a jax Compiled), as its compiler reports it.
+    XLA's CPU compiler: arguments, outputs and temporaries, less the outputs that reuse (alias)
+    their donated arguments' buffers (its `peak_memory_in_bytes` is the arguments' size). The
+    TPU compiler: `peak_memory_in_bytes`, its own peak of everything live at once (it reports
+    no temporaries)."""
     m = compiled.memory_analysis()
+    if compiled_platform(compiled) == "tpu":
+        return int(m.peak_memory_in_bytes)
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
+
+
+def compiled_platform(compiled: Any) -> str:
+    """The platform of the devices `compiled` (a jax Compiled) was built for."""
+    import jax
+
+    for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+        return next(iter(sharding.device_set)).platform
+    return "cpu"

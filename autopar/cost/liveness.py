@@ -282,13 +282,43 @@ class _Walk:
         3,092 (docs/decisions.md, "Inner loops' results inside a microbatch loop")."""
         graph, out = self.graph, []
         fused = self.model.fused_values(graph)
+        held = self._body_peak if self.model.reuses_in_loops else self._body_sum
         for i, ids in graph.loop_ops.items():
-            nbytes = sum(self.size(t) for k in ids if graph.ops[k].primitive not in LOOP_VIEWS
-                         for t in graph.ops[k].outputs if t not in fused)
+            nbytes = held(ids, fused)
             if nbytes:
                 out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
                                   graph.program[i].outputs[0], "loop"))
         return out
+
+    def _body_values(self, ids: tuple[int, ...], fused: frozenset[int]
+                     ) -> list[tuple[int, list[int]]]:
+        """Per op of a loop body, in order: the bytes of its results that take memory."""
+        ops = self.graph.ops
+        return [(n, [t for t in ops[k].outputs if t not in fused])
+                for n, k in enumerate(ids) if ops[k].primitive not in LOOP_VIEWS]
+
+    def _body_sum(self, ids: tuple[int, ...], fused: frozenset[int]) -> int:
+        """Every value of the body at once."""
+        return sum(self.size(t) for _, ts in self._body_values(ids, fused) for t in ts)
+
+    def _body_peak(self, ids: tuple[int, ...], fused: frozenset[int]) -> int:
+        """The most the body holds at once, each value live from its op to its last reader
+        in the body (a value the loop's marks read, to the end of the iteration)."""
+        ops = self.graph.ops
+        last: dict[int, int] = {}
+        for n, k in enumerate(ids):
+            for t in ops[k].inputs:
+                last[t] = n
+        delta = [0] * (len(ids) + 1)
+        for n, ts in self._body_values(ids, fused):
+            for t in ts:
+                delta[n] += self.size(t)
+                delta[max(last.get(t, n), n) + 1] -= self.size(t)
+        live = peak = 0
+        for d in delta:
+            live += d
+            peak = max(peak, live)
+        return peak
 
     def copies(self) -> tuple[list[Buffer], list[tuple[int, int, int]]]:
         """A donated input is updated in place; the compiler copies it, first of all, for the

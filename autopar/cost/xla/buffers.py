@@ -31,6 +31,7 @@ class BufferModel(Protocol):
 
     name: str
     calibrated: bool  # checked against this platform's compiled programs
+    reuses_in_loops: bool  # a loop body's values freed after their last reader in the body
 
     def values(self, graph: OpGraph) -> ValueBuffers: ...
 

@@ -320,6 +320,7 @@ class CpuBuffers:
 
     name = "xla-cpu"
     calibrated = True
+    reuses_in_loops = False
     values = staticmethod(value_buffers)
     fused_values = staticmethod(fused_values)
     combined_all_reduces = staticmethod(all_reduce_groups)

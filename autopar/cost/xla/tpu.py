@@ -1,0 +1,76 @@
+"""What the TPU compiler (libtpu, compiling for TPU topologies) does to a step's buffers.
+
+Its copies, schedule and combined all-reduces are taken as XLA's CPU compiler's (cpu.py).
+What differs, measured against `peak_memory_in_bytes` of programs compiled for compile-only
+TPU devices (docs/decisions.md, "TPU buffer model"):
+- its fusion takes more in: a dot or convolution reads elementwise and layout chains inside
+  its own fusion, and a cheap chain read by several fusions is recomputed in each, so such a
+  value gets no buffer; an expensive one (exp, div) read by several, or kept for the
+  backward pass, is written once;
+- its layout assignment picks the layouts dots want, so no operand is transposed into a copy;
+- a loop's body runs with its own buffer reuse: its values are held from their producer to
+  their last reader inside the body, not all together (a scanned decoder layer's backward
+  body recomputes the forward pass, and the two passes' attention matrices are not all live
+  at once).
+"""
+from __future__ import annotations
+
+from autopar.cost.model import fused_values as fusible_values
+from autopar.cost.xla.buffers import ValueBuffers
+from autopar.cost.xla.cpu import CpuBuffers, scatter_into_sum
+from autopar.rules.kinds import CHEAP, FUSED, FUSING_READERS
+from autopar.trace.analysis import edges, per_graph, roles
+from autopar.trace.ir import OpGraph
+
+# Readers that take a fused chain into their own fusion on TPU.
+TPU_FUSING_READERS = FUSING_READERS | {"dot_general", "conv_general_dilated"}
+
+
+@per_graph
+def value_buffers(graph: OpGraph) -> ValueBuffers:
+    """The values the TPU compiler writes to buffers of their own (see the module)."""
+    program = graph.program
+
+    def primitive(i: int) -> str:
+        eqn = program[i].eqn
+        return "copy_p" if eqn is None else eqn.primitive.name
+
+    producer_step, readers = edges(graph)
+    kind = dict(roles(graph))
+    outputs = set(graph.outputs)
+    materialised, into_sum = set(), set()
+    for t, i in producer_step.items():
+        rs = readers.get(t, ())
+        if t not in outputs and scatter_into_sum(program, producer_step, primitive, i, rs):
+            into_sum.add(t)
+            continue
+        name = primitive(i)
+        expensive = name not in CHEAP and (len(rs) > 1 or kind.get(t) == "activations")
+        if (t in outputs or name not in FUSED or expensive
+                or any(primitive(r) not in TPU_FUSING_READERS for r in rs)):
+            materialised.add(t)
+    return ValueBuffers(frozenset(materialised), frozenset(into_sum), kind)
+
+
+@per_graph
+def fused_values(graph: OpGraph) -> frozenset[int]:
+    """The values an ideal fuser keeps out of memory that the TPU compiler does too."""
+    materialised = value_buffers(graph).materialised
+    return frozenset(t for t in fusible_values(graph) if t not in materialised)
+
+
+class TpuBuffers(CpuBuffers):
+    """The TPU compiler as the memory estimate asks for it (autopar.cost.xla.buffers)."""
+
+    name = "xla-tpu"
+    calibrated = False
+    reuses_in_loops = True
+    values = staticmethod(value_buffers)
+    fused_values = staticmethod(fused_values)
+
+    @staticmethod
+    def transposed_operands(graph: OpGraph) -> tuple[tuple[int, int, int], ...]:
+        return ()
+
+
+TPU = TpuBuffers()
