@@ -1,8 +1,10 @@
 """A memory-limited plan checked against what XLA compiles.
 
-The memory estimate is within about 15% of XLA's `memory_analysis` (docs/decisions.md), and
-its error near `memory_limit` goes either way. So a plan whose estimate is within that band of
-the limit is compiled before it is used, and XLA's figure decides:
+The memory estimate is within about 15% of XLA CPU's `memory_analysis` (docs/decisions.md),
+and its error near `memory_limit` goes either way. So a plan whose estimate is within that
+band of the limit (UNCALIBRATED_BAND for a platform whose buffer model is not calibrated) is
+compiled before it is used, and the compiler's figure (autopar.cost.hlo.compiled_memory_bytes)
+decides:
 - over the limit: planned again for the estimate that, off by as much, would fit (at most
   COMPILE_CHECKS times);
 - the plan made with no limit, where its estimate is close: kept if XLA fits it, since it is

@@ -275,6 +275,18 @@ def value_buffers(graph: OpGraph) -> ValueBuffers:
     convolution, a loop), several operators read them, or the backward pass keeps an expensive
     one (CHEAP). A transpose of a dot read by it alone is the dot's own buffer; a scatter into
     zeros that a sum alone reads scatters into the sum (scatter_into_sum)."""
+    def written(name: str, kind: str | None, reader_names: list[str]) -> bool:
+        return (name not in FUSED or len(reader_names) > 1
+                or (kind == "activations" and name not in CHEAP)
+                or any(r not in FUSING_READERS for r in reader_names))
+    return buffered_values(graph, written)
+
+
+def buffered_values(graph: OpGraph, written: Callable[[str, str | None, list[str]], bool]
+                    ) -> ValueBuffers:
+    """The values a compiler writes to buffers: the step's outputs, and every value for which
+    `written(its primitive, its kind, its readers' primitives)` holds, less the transposes of
+    dots and the scatters into sums that XLA's simplifier folds away (see value_buffers)."""
     program = graph.program
 
     def primitive(i: int) -> str:
@@ -297,9 +309,7 @@ def value_buffers(graph: OpGraph) -> ValueBuffers:
             # (operands exchanged): the dot's buffer holds the transposed result.
             kind.setdefault(program[i].inputs[0], kind.get(t, "temporaries"))
             continue
-        if (t in outputs or primitive(i) not in FUSED or len(rs) > 1
-                or (kind.get(t) == "activations" and primitive(i) not in CHEAP)
-                or any(primitive(r) not in FUSING_READERS for r in rs)):
+        if t in outputs or written(primitive(i), kind.get(t), [primitive(r) for r in rs]):
             materialised.add(t)
     return ValueBuffers(frozenset(materialised), frozenset(into_sum), kind)
 

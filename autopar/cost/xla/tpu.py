@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from autopar.cost.model import fused_values as fusible_values
 from autopar.cost.xla.buffers import ValueBuffers
-from autopar.cost.xla.cpu import CpuBuffers, scatter_into_sum
+from autopar.cost.xla.cpu import CpuBuffers, buffered_values
 from autopar.rules.kinds import CHEAP, FUSED, FUSING_READERS
-from autopar.trace.analysis import edges, per_graph, roles
+from autopar.trace.analysis import per_graph
 from autopar.trace.ir import OpGraph
 
 # Readers that take a fused chain into their own fusion on TPU.
@@ -29,27 +29,11 @@ TPU_FUSING_READERS = FUSING_READERS | {"dot_general", "conv_general_dilated"}
 @per_graph
 def value_buffers(graph: OpGraph) -> ValueBuffers:
     """The values the TPU compiler writes to buffers of their own (see the module)."""
-    program = graph.program
-
-    def primitive(i: int) -> str:
-        eqn = program[i].eqn
-        return "copy_p" if eqn is None else eqn.primitive.name
-
-    producer_step, readers = edges(graph)
-    kind = dict(roles(graph))
-    outputs = set(graph.outputs)
-    materialised, into_sum = set(), set()
-    for t, i in producer_step.items():
-        rs = readers.get(t, ())
-        if t not in outputs and scatter_into_sum(program, producer_step, primitive, i, rs):
-            into_sum.add(t)
-            continue
-        name = primitive(i)
-        expensive = name not in CHEAP and (len(rs) > 1 or kind.get(t) == "activations")
-        if (t in outputs or name not in FUSED or expensive
-                or any(primitive(r) not in TPU_FUSING_READERS for r in rs)):
-            materialised.add(t)
-    return ValueBuffers(frozenset(materialised), frozenset(into_sum), kind)
+    def written(name: str, kind: str | None, reader_names: list[str]) -> bool:
+        expensive = name not in CHEAP and (len(reader_names) > 1 or kind == "activations")
+        return (name not in FUSED or expensive
+                or any(r not in TPU_FUSING_READERS for r in reader_names))
+    return buffered_values(graph, written)
 
 
 @per_graph
