@@ -106,6 +106,9 @@ def main() -> None:
                         help="fidelity suite: batch and width of every model times this")
     parser.add_argument("--repeats", type=int, default=3,
                         help="quality and fidelity suites: timed steps of the small models")
+    parser.add_argument("--experts-from", default=None,
+                        help="tpu suite: a tpu.json whose expert rows are kept (only ours is "
+                        "planned and compiled again)")
     parser.add_argument("--hlo-dir", default=None,
                         help="device suite: write each program compiled for the chip here")
     args = parser.parse_args()
@@ -155,8 +158,12 @@ def main() -> None:
             cases = tpu_suite.QUICK if args.quick else tpu_suite.CASES
             names = [m for m in args.models or () if m in cases] or list(cases)
             print(f"tpu benchmark: cases {names}", flush=True)
+            kept = None
+            if args.experts_from:
+                with open(args.experts_from) as f:
+                    kept = json.load(f)
             result = tpu_suite.run({n: cases[n] for n in _known(names, cases)},
-                                   args.memory_matched, log=log)
+                                   args.memory_matched, log=log, experts_from=kept)
             table = tpu_suite.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)

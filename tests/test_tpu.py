@@ -12,11 +12,16 @@ import pytest
 pytest.importorskip("libtpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.cost.hardware import get_profile, group_link  # noqa: E402
 from autopar.cost.hlo import compiled_memory_bytes  # noqa: E402
+from autopar.cost.model import MOVED, gathered_by_sum, reshard_time  # noqa: E402
+from autopar.mesh import mesh_shape  # noqa: E402
+from autopar.trace.ir import Tensor  # noqa: E402
 from models import gpt_abstract  # noqa: E402
 
 
@@ -88,3 +93,25 @@ def test_plan_takes_the_topology_mesh(v5e, decoder):
     step, state, batch = decoder
     plan = autopar.plan(step, state, batch, mesh=v5e, search="recursive_programming")
     assert plan.hardware == "tpu_v5e" and dict(plan.mesh) == {"data": 2, "model": 4}
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x4x4", "v5p:4x4x4"])
+def test_the_cost_model_prices_a_gather_as_the_tpu_compiler_emits_it(topology):
+    """From 64 chips on, the TPU compiler gathers over every device with an all-reduce (of
+    zeros but the device's shard): the profile says so, and the cost model prices it so."""
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("data",))
+    compiled = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("data")),
+                       out_shardings=NamedSharding(mesh, P())).lower(
+        jax.ShapeDtypeStruct((len(devices) * 128, 1024), jnp.float32)).compile()
+    kinds = {k for k in ("all-gather", "all-reduce") if f" {k}(" in compiled.as_text()
+             or f" {k}-start(" in compiled.as_text()}
+    hw, shape = get_profile("tpu_v5p"), mesh_shape(mesh)
+    by_sum = gathered_by_sum(hw, len(devices), shape)
+    assert kinds == ({"all-reduce"} if by_sum else {"all-gather"})
+    assert by_sum == (len(devices) >= 64)
+    n, tensor = len(devices), Tensor(0, (len(devices) * 128, 1024), "float32")
+    link = group_link(hw, shape, ("data",))
+    moved = MOVED["all-reduce" if by_sum else "all-gather"](n) * tensor.nbytes
+    assert reshard_time(tensor, (("data",), ()), ((), ()), shape, hw) == pytest.approx(
+        link.latency + moved / link.bandwidth)

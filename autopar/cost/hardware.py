@@ -57,6 +57,12 @@ class Hardware:
     # The compiler's platform ('cpu', 'gpu', 'tpu'): where no devices are at hand (an abstract
     # mesh), the memory estimate models this platform's buffers (autopar.cost.xla).
     platform: str = "cpu"
+    # From this many devices on, the compiler gathers over every device of the program with
+    # an all-reduce of the gathered tensor (zeros but its own shard) rather than an
+    # all-gather: twice the bus bytes. 0: never. The TPU compiler does from 64 (libtpu
+    # 0.0.42.1: v5p 4x4x4 and 4x4x8, v5e 8x8; 32 chips and fewer, or a group of 64 in 128,
+    # all-gather; tests/test_tpu.py).
+    gather_by_sum_from: int = 0
 
     # The cost model's caches key on the profile millions of times per plan: hash it once.
     def __hash__(self) -> int:
@@ -89,6 +95,7 @@ class Hardware:
         numbers = {k: float(body.pop(k)) for k in
                    ("flops", "memory_bandwidth", "link_bandwidth", "link_latency")}
         return cls(name=str(body.pop("name")), memory_bytes=int(body.pop("memory_bytes")),
+                   gather_by_sum_from=int(body.pop("gather_by_sum_from", 0)),
                    levels=levels, axis_levels=placed, **numbers,
                    **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
 
@@ -168,7 +175,7 @@ PROFILES: dict[str, Hardware] = {
                "one 400 Gb/s NDR InfiniBand port per GPU between nodes (50 GB/s)."),
     "tpu_v4": Hardware(
         "tpu_v4", flops=275e12, memory_bandwidth=1.2e12, link_bandwidth=45e9 * 2, link_latency=1e-5,
-        platform="tpu", memory_bytes=32 * 2**30,
+        platform="tpu", gather_by_sum_from=64, memory_bytes=32 * 2**30,
         levels=(LinkLevel("ici", 4096, 90e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v4 documentation: 275 TFLOP/s bf16, 32 GiB HBM at 1,200 GB/s; "
                "ICI links of ~45 GB/s each way, two per mesh axis (torus), across a pod of up "
@@ -176,14 +183,14 @@ PROFILES: dict[str, Hardware] = {
                "4-chip host (6.25 GB/s per chip: an assumption, measure with your cluster)."),
     "tpu_v5p": Hardware(
         "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
-        link_latency=1e-5, platform="tpu", memory_bytes=95 * 10**9,
+        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, memory_bytes=95 * 10**9,
         levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
                "slices taken as v4's data-centre network (an assumption)."),
     "tpu_v5e": Hardware(
         "tpu_v5e", flops=197e12, memory_bandwidth=819e9, link_bandwidth=50e9 * 2,
-        link_latency=1e-5, platform="tpu", memory_bytes=16 * 10**9,
+        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, memory_bytes=16 * 10**9,
         levels=(LinkLevel("ici", 256, 100e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, "
                "400 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus (50 GB/s each "
@@ -191,7 +198,7 @@ PROFILES: dict[str, Hardware] = {
                "NICs per 8-chip host (3.125 GB/s per chip)."),
     "tpu_v6e": Hardware(
         "tpu_v6e", flops=918e12, memory_bandwidth=1638e9, link_bandwidth=100e9 * 2,
-        link_latency=1e-5, platform="tpu", memory_bytes=32 * 10**9,
+        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, memory_bytes=32 * 10**9,
         levels=(LinkLevel("ici", 256, 200e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s bf16, 32 GB HBM at "
                "1,638 GB/s, 800 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus "

@@ -324,6 +324,8 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[
         # Gathering step by step moves the bytes one all-gather over all the axes would.
         if kind == "collective-permute":  # every device receives its whole new shard
             per_byte += share / link.bandwidth
+        elif kind == "all-gather" and gathered_by_sum(hw, n, mesh):
+            per_byte += MOVED["all-reduce"](n) * share / link.bandwidth
         else:
             per_byte += (n - 1) / (2 * n if kind == "all-to-all" else n) * share / link.bandwidth
         if kind == "all-gather" and dim > 0:
@@ -334,6 +336,12 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[
             # leading dimensions are 1 on each device needs none: rare, not told apart.
             per_byte += 2 * share / hw.memory_bandwidth
     return latency, per_byte
+
+
+def gathered_by_sum(hw: Hardware, n: int, mesh: MeshShape) -> bool:
+    """Whether `hw`'s compiler makes an all-gather over `n` devices of `mesh` an all-reduce
+    (over every device of a large enough program: Hardware.gather_by_sum_from)."""
+    return 0 < hw.gather_by_sum_from <= n == mesh.size
 
 
 def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
