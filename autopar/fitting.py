@@ -22,7 +22,10 @@ its time.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
+
+import jax
 
 from autopar.cost.estimate import mib
 from autopar.cost.hlo import compiled_memory_bytes
@@ -95,7 +98,7 @@ def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
                     f"{e}") from e
         made = make(decisions, p)
-        compiled = compiled_memory_bytes(compiled_of(made))
+        compiled = _compiled(compiled_of, made)[1]
         p = _with_compiled(p, compiled, check + 1)
         made.make_plan = lambda p=p: p
         if compiled <= memory_limit:
@@ -132,8 +135,7 @@ def _unbudgeted(planning: Planning, shape: MeshShape | int, memory_limit: int, m
             and CHECK_BAND * p.cost["peak_memory_bytes"] > memory_limit):
         return None, 1.0
     made = make(decisions, p)
-    executable = compiled_of(made)
-    compiled = compiled_memory_bytes(executable)
+    executable, compiled = _compiled(compiled_of, made)
     if compiled > memory_limit:
         scale = p.cost["peak_memory_bytes"] / max(compiled, 1)
         if compiled > NEAR_MISS * memory_limit:
@@ -159,8 +161,7 @@ def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: 
     within the limit and judges it (`autopar.evaluate` on the plan's hardware) no slower than
     the program pinned throughout; else None."""
     made = make(dataclasses.replace(decisions, pinned_inside=False), p)
-    loose = compiled_of(made)
-    compiled = compiled_memory_bytes(loose)
+    loose, compiled = _compiled(compiled_of, made)
     if compiled > memory_limit:
         return None
     if evaluate(loose, made.mesh, planning.hw).step_s > evaluate(
@@ -184,7 +185,25 @@ def _scaled(planning: Planning, shape: MeshShape | int, memory_limit: int, scale
     if p.cost["total_s"] >= budgeted.cost["total_s"]:
         return None
     made = make(decisions, p)
-    compiled = compiled_memory_bytes(compiled_of(made))
+    compiled = _compiled(compiled_of, made)[1]
     if compiled > memory_limit:
         return None
     return _kept(made, p, compiled, memory_limit, 2)
+
+
+_REQUIRED = re.compile(r"memory required for HLO temporaries \((?P<n>[0-9.]+)(?P<unit>[KMGT])\)")
+
+
+def _compiled(compiled_of: Compiled, made: Any) -> tuple[Any, int]:
+    """(the executable, or None, and the bytes a device needs to run it). The TPU compiler
+    refuses a program over the chip's memory (RESOURCE_EXHAUSTED) where XLA CPU compiles
+    anything: the bytes are then those its error names (its temporaries), at least."""
+    try:
+        executable = compiled_of(made)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        found = _REQUIRED.search(str(e))
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        return None, (int(float(found["n"]) * scale[found["unit"]]) if found else 2**62)
+    return executable, compiled_memory_bytes(executable)

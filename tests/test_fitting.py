@@ -3,6 +3,7 @@ planner and the compiler replaced by tables (the figures of the MoE at an expert
 import dataclasses
 from types import SimpleNamespace
 
+import jax
 import pytest
 
 from autopar import fitting
@@ -130,3 +131,20 @@ def test_an_estimate_far_over_is_compiled_where_the_budget_costs_much(monkeypatc
     monkeypatch.setitem(PLANS, "lean", (477, 1.2))
     made, _ = run({"free": 570, "mid": 560, "lean": 452})
     assert made.decisions.name == "lean"
+
+
+def test_a_program_the_compiler_refuses_for_memory_counts_as_over_the_limit():
+    """The TPU compiler refuses a program over the chip's memory where XLA CPU compiles it:
+    the compile check reads the bytes the refusal names, and any other error is raised."""
+    def refused(made):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (112.59G) exceeds available HBM (95.74G).")
+
+    assert fitting._compiled(refused, None) == (None, int(112.59 * 2**30))
+
+    def broken(made):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        fitting._compiled(broken, None)
