@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -214,8 +215,6 @@ def compiled_memory_bytes(compiled: Any) -> int:
 
 def compiled_platform(compiled: Any) -> str:
     """The platform of the devices `compiled` (a jax Compiled) was built for."""
-    import jax
-
     for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
         return next(iter(sharding.device_set)).platform
     return "cpu"
