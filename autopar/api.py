@@ -14,8 +14,8 @@ from autopar.calling import Call, Conventions, place, shape_and_dtype
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware
 from autopar.cost.xla import buffer_model
-from autopar.devices import (compiler_platform, local_device, mesh_profile,
-                             resolve_memory_limit, runs_here)
+from autopar.devices import (check_runnable, compiler_platform, mesh_profile,
+                             resolve_memory_limit)
 from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
 from autopar.fitting import fitted
@@ -180,16 +180,6 @@ def _check_real_mesh(mesh: Any) -> None:
                            f"'auto', got {mesh!r}. Fix: autopar.make_mesh({{'data': 2, 'model': "
                            "4}); to plan for devices you do not have, use autopar.plan(fn, "
                            "*args, mesh={...}).")
-
-
-def _check_runnable(mesh: Mesh) -> None:
-    device = local_device(mesh)
-    if device is None or not runs_here(device):
-        raise AutoparError(
-            f"the mesh {dict(mesh.shape)} is of compile-only devices "
-            f"({mesh.devices.flat[0].device_kind}): the step can be planned and compiled for "
-            "them, not run. Fix: use .plan(...), .lower(...).compile() or .input_shardings(...) "
-            "here, and call the step on a mesh of the real devices.")
 
 
 def _check_search(search: str) -> None:
@@ -373,7 +363,7 @@ class AutoParallel:
         call = self._call(args, kwargs)
         key = call.key()
         made = self._compiled(call, key)
-        _check_runnable(made.mesh)
+        check_runnable(made.mesh)
         stored, lanes = made.stored, made.lanes
         if lanes is not None:  # the Python loop's layers, one array a family
             into, out_of = lanes.placements(stored)

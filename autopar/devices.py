@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from autopar.cost.hardware import Hardware, get_profile
 from autopar.cost.memory import parse_bytes
+from autopar.errors import AutoparError
 
 
 def local_device(mesh: Any) -> Any:
@@ -41,6 +42,17 @@ def resolve_memory_limit(memory_limit: int | str | None, hw: Hardware,
 def runs_here(device: Any) -> bool:
     """Whether `device` can run programs in this process: not a compile-only device."""
     return device.local_hardware_id is not None
+
+
+def check_runnable(mesh: Mesh) -> None:
+    """An AutoparError where this process cannot run a step on `mesh` (compile-only devices)."""
+    device = local_device(mesh)
+    if device is None or not runs_here(device):
+        raise AutoparError(
+            f"the mesh {dict(mesh.shape)} is of compile-only devices "
+            f"({mesh.devices.flat[0].device_kind}): the step can be planned and compiled for "
+            "them, not run. Fix: use .plan(...), .lower(...).compile() or .input_shardings(...) "
+            "here, and call the step on a mesh of the real devices.")
 
 
 def mesh_profile(hardware: Any, mesh: Any) -> Hardware:

@@ -8,18 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from autopar.cost.estimate import KINDS, Buffer, MemoryEstimate
+from autopar.cost.loop_bodies import body_peak, body_sum
 from autopar.cost.model import shard_bytes
 from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.trace.analysis import backward_steps, edges, per_graph, recomputed_layer_of
 from autopar.trace.ir import OpGraph, Step
-
-# The tracer's markers of a loop's carries and slices: views of buffers counted elsewhere. A
-# loop's stacked results and final carries (scan_stack, scan_carry_out) are not among them:
-# inside another loop's body they are that body's values (see `_Walk.loops`).
-LOOP_VIEWS = frozenset({"scan_carry", "scan_slice"})
-
 
 def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
     """The returned state that keeps its input's sharding: written into the donated input."""
@@ -273,7 +268,8 @@ class _Walk:
 
     def loops(self) -> list[Buffer]:
         """A loop's body runs inside its step: its values, the fused ones aside, held while
-        the step runs. Counted without reuse, which bounds what the compiler keeps (an
+        the step runs. Counted without reuse, which bounds what the compiler keeps, unless
+        the platform's compiler reuses buffers inside a body (loop_bodies.body_peak) (an
         accumulated gradient's loop is a whole forward and backward pass: see
         schedule/accumulate.py). The loop's own marks are outside `ids`; those among them
         are an inner loop's, whose stacked results (a layer stack's residuals, one per
@@ -282,43 +278,13 @@ class _Walk:
         3,092 (docs/decisions.md, "Inner loops' results inside a microbatch loop")."""
         graph, out = self.graph, []
         fused = self.model.fused_values(graph)
-        held = self._body_peak if self.model.reuses_in_loops else self._body_sum
+        held = body_peak if self.model.reuses_in_loops else body_sum
         for i, ids in graph.loop_ops.items():
-            nbytes = held(ids, fused)
+            nbytes = held(graph, ids, fused, self.size)
             if nbytes:
                 out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
                                   graph.program[i].outputs[0], "loop"))
         return out
-
-    def _body_values(self, ids: tuple[int, ...], fused: frozenset[int]
-                     ) -> list[tuple[int, list[int]]]:
-        """Per op of a loop body, in order: the bytes of its results that take memory."""
-        ops = self.graph.ops
-        return [(n, [t for t in ops[k].outputs if t not in fused])
-                for n, k in enumerate(ids) if ops[k].primitive not in LOOP_VIEWS]
-
-    def _body_sum(self, ids: tuple[int, ...], fused: frozenset[int]) -> int:
-        """Every value of the body at once."""
-        return sum(self.size(t) for _, ts in self._body_values(ids, fused) for t in ts)
-
-    def _body_peak(self, ids: tuple[int, ...], fused: frozenset[int]) -> int:
-        """The most the body holds at once, each value live from its op to its last reader
-        in the body (a value the loop's marks read, to the end of the iteration)."""
-        ops = self.graph.ops
-        last: dict[int, int] = {}
-        for n, k in enumerate(ids):
-            for t in ops[k].inputs:
-                last[t] = n
-        delta = [0] * (len(ids) + 1)
-        for n, ts in self._body_values(ids, fused):
-            for t in ts:
-                delta[n] += self.size(t)
-                delta[max(last.get(t, n), n) + 1] -= self.size(t)
-        live = peak = 0
-        for d in delta:
-            live += d
-            peak = max(peak, live)
-        return peak
 
     def copies(self) -> tuple[list[Buffer], list[tuple[int, int, int]]]:
         """A donated input is updated in place; the compiler copies it, first of all, for the

@@ -1,8 +1,9 @@
 """What the TPU compiler (libtpu, compiling for TPU topologies) does to a step's buffers.
 
 Its copies, schedule and combined all-reduces are taken as XLA's CPU compiler's (cpu.py).
-What differs, measured against `peak_memory_in_bytes` of programs compiled for compile-only
-TPU devices (docs/decisions.md, "TPU buffer model"):
+What differs, suggested by the TPU compiler's buffer dumps and checked against
+`peak_memory_in_bytes` of a few programs compiled for compile-only TPU devices (not
+calibrated: docs/decisions.md, "TPU buffer model"):
 - its fusion takes more in: a dot or convolution reads elementwise and layout chains inside
   its own fusion, and a cheap chain read by several fusions is recomputed in each, so such a
   value gets no buffer; an expensive one (exp, div) read by several, or kept for the
