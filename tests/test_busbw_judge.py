@@ -135,6 +135,23 @@ def test_a_fori_loop_of_matmuls_counts_every_trip(mesh):
     assert judged.collectives == ()
 
 
+def test_a_scan_over_stacked_layers_reads_one_layer_per_trip(mesh):
+    """The body's fusions take the whole [L, D, D] stack as an operand but read one layer
+    (dynamic-slice) and write one gradient row in place (dynamic-update-slice): the bytes
+    grow linearly with L, not as L trips of the whole stack (L squared)."""
+    def step(w, x):
+        def loss(w):
+            return jnp.sum(jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0] ** 2)
+        return w - 0.1 * jax.grad(loss)(w)
+
+    def judged_bytes(layers):
+        program = _compile(step, mesh, (P(), P("data")), P(), (layers, 256, 256), (64, 256))
+        return J.judge(program, mesh).bytes_accessed
+
+    four, sixteen = judged_bytes(4), judged_bytes(16)
+    assert sixteen / four == pytest.approx(4, rel=0.15)
+
+
 def test_an_all_to_all_is_priced_with_n_minus_one_over_n(mesh):
     @partial(jax.shard_map, mesh=mesh, in_specs=P(None, "model"), out_specs=P("model", None))
     def swap(x):
