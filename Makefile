@@ -1,12 +1,12 @@
-# `make run`: the example on 8 simulated CPU devices; `make test`: the test suite;
-# `make fuzz`: the long fuzzing run.
+# `make run`: the example on 8 simulated CPU devices; `make test`: the test suite (both tiers);
+# `make test-fast`: the fast tier alone (no end-to-end XLA runs); `make fuzz`: the long fuzzing run.
 # Each creates .venv and installs the project (with its test extra) on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test fuzz bench clean
+.PHONY: run test test-fast fuzz bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "not slow" tests
 
 # Property-based fuzzing, long profile: 200 random steps, meshes and searches (tests/test_fuzz.py).
 fuzz: $(STAMP)

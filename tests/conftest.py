@@ -1,8 +1,18 @@
-"""8 simulated CPU devices for every test, set before JAX starts."""
+"""8 simulated CPU devices for every test, set before JAX starts; the two test tiers.
+
+Tests that compile and run XLA programs end to end are marked `slow`; the rest (rules, cost,
+search, planning) are the fast tier, `make test-fast`, which must stay within 2 minutes on 2
+cores. A test outside the slow tier that takes longer than FAST_LIMIT_S is named at the end of
+the run, so that the tier stays fast as tests are added.
+"""
 import os
 
+# Tests check what a step computes and what XLA's passes make of it (fusion, buffers,
+# collectives), never how fast the CPU kernels run: LLVM's optimisation of those kernels is
+# skipped, which takes about a quarter off the suite's compile time.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu takes a lock file so that one process owns a host's TPU; compile-only topologies own
 # none, and each test worker loads libtpu.
@@ -10,5 +20,31 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import sys  # noqa: E402
 
+import pytest  # noqa: E402
+
 # The example's model zoo (examples/models.py) is shared by tests, example and benchmarks.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+FAST_LIMIT_S = 3.0
+_slow_in_fast_tier: list[tuple[str, float]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if call.when == "call" and report.passed and item.get_closest_marker("slow") is None \
+            and report.duration > FAST_LIMIT_S:
+        report.user_properties.append(("slow_in_fast_tier", report.duration))
+
+
+def pytest_runtest_logreport(report):
+    _slow_in_fast_tier.extend((report.nodeid, s) for k, s in report.user_properties
+                              if k == "slow_in_fast_tier")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _slow_in_fast_tier:
+        terminalreporter.section("fast-tier tests over the limit: mark them slow or make them "
+                                 "smaller")
+        for nodeid, seconds in sorted(_slow_in_fast_tier, key=lambda t: -t[1]):
+            terminalreporter.write_line(f"{seconds:6.1f}s  {nodeid} (limit {FAST_LIMIT_S} s)")

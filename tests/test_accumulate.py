@@ -19,6 +19,7 @@ def linen_step(model, loss, tx):
     return models.linen_step(model, loss, tx, autopar.value_and_grad)
 
 
+@pytest.mark.slow
 def test_outside_auto_parallel_it_is_jax():
     def f(w, x, y):
         err = (x @ w - y) ** 2
@@ -35,6 +36,7 @@ def test_outside_auto_parallel_it_is_jax():
                                   jax.grad(lambda w: f(w, x, y)[0])(w))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2, 4])
 def test_gpt_accumulated_equals_the_full_batch(microbatches):
     _, state, batch = models.gpt_setup(batch=8, seq=16, vocab=64, d_model=32, heads=4, layers=2)
@@ -63,6 +65,7 @@ def reductions_in_loops(compiled_text):
     return ([c for c in found if c.executions > 1], [c for c in found if c.executions == 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 2, "model": 4}, {"a": 2, "b": 2, "c": 2}])
 def test_the_gradient_is_reduced_once_after_the_loop(mesh):
     """Each microbatch runs as one share per device group along the batch's axes, so the loop
@@ -79,6 +82,7 @@ def test_the_gradient_is_reduced_once_after_the_loop(mesh):
     assert not in_loops and once, (in_loops, once)
 
 
+@pytest.mark.slow
 def test_an_accumulators_readers_pay_for_its_sharding():
     """A gradient accumulator starts as zeros, and its loop carry was taken for a constant:
     the plan split the accumulators over the devices for free (h100, 4 microbatches of 32
@@ -99,6 +103,7 @@ def test_an_accumulators_readers_pay_for_its_sharding():
     assert {c.kind for c in found if c.executions > 1} <= {"all-reduce"}, found
 
 
+@pytest.mark.slow
 def test_a_saved_grouped_plan_runs_the_same_program():
     step, state, data = gpt_case()
     mesh = autopar.make_mesh({"data": 8})
@@ -116,6 +121,7 @@ def test_a_saved_grouped_plan_runs_the_same_program():
                                rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_shares_too_small_for_the_loss_reduce_per_microbatch():
     """32 examples in 4 microbatches over 8 devices leave one example a share, which changes
     the loss's code (a reshape drops the batch dimension): the step accumulates as before,
@@ -131,6 +137,7 @@ def test_shares_too_small_for_the_loss_reduce_per_microbatch():
     assert in_loops and all(c.executions == 4 for c in in_loops)
 
 
+@pytest.mark.slow
 def test_a_microbatchs_gradients_share_one_all_reduce_latency():
     """Reduced in each microbatch, the gradients of a microbatch are all-reduced as one
     collective per trip (XLA's combiner works inside the loop body), and priced so: on h100
@@ -181,6 +188,7 @@ def masked_setup(batch=32):
     return tx, (params, tx.init(params)), data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches,rate,split", [
     (2, 0.0, False), (4, 0.0, False), (4, 0.25, False), (2, 0.25, True), (4, 0.25, True)])
 def test_masked_token_weighted_loss_with_dropout(microbatches, rate, split):
@@ -218,6 +226,7 @@ def test_the_gradient_loop_runs_once_per_microbatch_in_one_program():
     assert text.count("stablehlo.while") == 1
 
 
+@pytest.mark.slow
 def test_two_draws_of_one_shape_keep_their_own_bits():
     """Two dropouts of one shape: jax.random.bernoulli is jitted, so both call sites hold one
     jaxpr object, and each draw must still be its own (found by the fuzzer: the second's bits
@@ -264,6 +273,7 @@ class ScannedDropoutNet(nn.Module):
         return nn.Dense(3)(x).mean(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches,split,mesh,stages,repeats", [
     (2, False, {"data": 8}, 1, 1), (4, False, {"data": 8}, 1, 1), (2, True, {"data": 8}, 1, 1),
     (4, False, {"stage": 2, "data": 4}, 2, 1), (4, False, {"stage": 4, "data": 2}, 4, 1),
@@ -295,6 +305,7 @@ def test_dropout_inside_a_scanned_stack_equals_the_full_batch(microbatches, spli
         jax.tree_util.tree_leaves(ref_state[0]), jax.tree_util.tree_leaves(other_state[0])))
 
 
+@pytest.mark.slow
 def test_dropout_inside_a_stack_is_refused_where_it_cannot_be_drawn_per_microbatch():
     step, state, data = dropout_setup(ScannedDropoutNet())
     rbg = jax.random.key(7, impl="rbg")  # its bits depend on the whole draw
@@ -311,6 +322,7 @@ class BatchNormNet(nn.Module):
         return nn.BatchNorm(use_running_average=False)(x).sum(-1)
 
 
+@pytest.mark.slow
 def test_batch_statistics_and_in_batch_negatives_are_refused():
     x = jax.random.normal(jax.random.key(0), (16, 4))
     net = BatchNormNet()
@@ -339,6 +351,7 @@ def test_batch_statistics_and_in_batch_negatives_are_refused():
     autopar.auto_parallel(negatives_step, mesh=mesh)(jnp.ones((4, 3)), x)
 
 
+@pytest.mark.slow
 def test_clear_errors_for_what_cannot_be_accumulated():
     step, state, batch = models.mlp_setup(batch=12)  # jax.value_and_grad: autopar cannot see it
     mesh = autopar.make_mesh({"data": 2, "model": 4})
@@ -353,6 +366,7 @@ def test_clear_errors_for_what_cannot_be_accumulated():
     assert plan.microbatches == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [dict(layers=2), dict(layers=4, scan=True)],
                          ids=["python_loop", "nn_scan"])
 def test_annotations_by_name_apply_and_the_estimate_sees_the_loop(layers):
@@ -378,6 +392,7 @@ def test_annotations_by_name_apply_and_the_estimate_sees_the_loop(layers):
     assert compiled[4] <= estimated[4] <= 2 * compiled[4], (estimated, compiled)
 
 
+@pytest.mark.slow
 def test_auto_takes_the_fewest_microbatches_that_fit_the_memory_limit():
     """With memory_limit below the leanest one-batch plan (recomputation included),
     microbatches="auto" accumulates over the fewest microbatches that fit: it compiles within

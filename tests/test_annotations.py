@@ -28,6 +28,7 @@ def forward_all_reduces(plan, scope_part):
             if not o.backward and scope_part in o.scope and "model" in o.partial_axes]
 
 
+@pytest.mark.slow
 def test_megatron_from_kernel_annotations():
     step, state, batch = models.gpt_setup()
     plan = check_against_single_device(step, state, batch, autopar.make_mesh(MESH),
@@ -55,6 +56,7 @@ def test_megatron_from_kernel_annotations():
     assert plan.search_stats["reached"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["dynamic_programming", "recursive_programming"])
 def test_searches_keep_annotations(search):
     step, state, batch = models.mlp_setup()
@@ -89,6 +91,7 @@ def sharded_mlp_setup(spec=P("data", "model"), batch=32, features=24, hidden=64)
         {"inputs": x, "targets": y}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming",
                                     "recursive_programming"])
 def test_a_pin_may_leave_dimensions_to_the_search(search):
@@ -127,6 +130,7 @@ def test_shard_is_a_no_op_outside_autopar():
     np.testing.assert_array_equal(jax.vmap(f)(x[None]), jax.vmap(g)(x[None]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming",
                                     "recursive_programming"])
 def test_shard_in_model_code(search):
@@ -137,6 +141,7 @@ def test_shard_in_model_code(search):
     assert len(marks) == 1 and marks[0].out_specs == ((("data",), ("model",)),)
 
 
+@pytest.mark.slow
 def test_conflicting_seeds_are_redistributed():
     step, state, batch = sharded_mlp_setup()
     # The step's input arrives split over 'model' on its batch dimension; the model wants the
@@ -156,6 +161,7 @@ def test_conflicting_seeds_are_redistributed():
         assert again.redistributions == plan.redistributions
 
 
+@pytest.mark.slow
 def test_saved_plan_seeds_a_search(tmp_path):
     step, state, batch = models.mlp_setup()
     mesh = autopar.make_mesh(MESH)
@@ -263,6 +269,7 @@ def test_shard_inside_a_scan_body():
     assert marks and all(o.out_specs == ((("data",), ("model",)),) for o in marks)
 
 
+@pytest.mark.slow
 def test_propagation_plans_compile_without_xla_warnings(capfd):
     """Reshardings XLA's partitioner has no pattern for make it gather a whole tensor and log
     "Involuntary full rematerialization". The cost model prices them as such, so the plans
@@ -287,6 +294,7 @@ def test_propagation_plans_compile_without_xla_warnings(capfd):
     assert "Involuntary full rematerialization" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_axis_moving_while_another_leaves_compiles_without_xla_warnings(capfd):
     """Found by the fuzzer: a propagation plan of attention blocks in an nn.scan stack on
     {a: 2, b: 4} reduce-scatters the output projection's gradient over ('a', 'b') on its last

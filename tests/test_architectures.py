@@ -6,6 +6,7 @@ import autopar
 from helpers import check_against_single_device
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", [architectures.moe_setup, architectures.resnet_setup,
                                    architectures.encdec_setup])
 def test_architecture_matches_single_device(setup):
@@ -15,6 +16,7 @@ def test_architecture_matches_single_device(setup):
     assert plan.cost["total_s"] > 0
 
 
+@pytest.mark.slow
 def test_moe_routes_with_top_k():
     step, state, batch = architectures.moe_setup()
     plan = autopar.plan(step, state, batch, mesh={"data": 2, "model": 4})

@@ -1,4 +1,6 @@
 """Smoke runs of the benchmark suites at tiny sizes."""
+import pytest
+
 from benchmarks import planning, propagation
 
 
@@ -12,6 +14,7 @@ def test_planning_benchmark_smoke():
     assert "| 1 | 8 | recursive_programming |" in table
 
 
+@pytest.mark.slow
 def test_propagation_benchmark_smoke():
     tiny = [("tiny GPT", dict(batch=8, seq=8, vocab=32, d_model=32, heads=4, layers=1),
              {"data": 2, "model": 4}, "cpu")]
@@ -23,6 +26,7 @@ def test_propagation_benchmark_smoke():
     assert "| tiny GPT | 2x4 | megatron | sharding_propagation |" in propagation.markdown(result)
 
 
+@pytest.mark.slow
 def test_fidelity_suite_smoke():
     import models
     from benchmarks import fidelity
@@ -41,6 +45,7 @@ def test_fidelity_suite_smoke():
     assert "| tiny-mlp | 2x4 | data_parallel (pinned)" in fidelity.markdown(result)
 
 
+@pytest.mark.slow
 def test_quality_suite_judges_experts_and_ours():
     """Experts are plain jax.jit programs judged from their HLO: the data-parallel one
     all-reduces exactly the gradients (and the loss), nothing else; every program computes
@@ -74,6 +79,7 @@ def test_quality_suite_judges_experts_and_ours():
     assert "| tiny-mlp (small) | 2x4 | h100 |" in quality_report.markdown(result)
 
 
+@pytest.mark.slow
 def test_memory_suite_smoke():
     import models
     from benchmarks import memory
@@ -86,6 +92,7 @@ def test_memory_suite_smoke():
     assert "| tiny-mlp | 0.3 |" in memory.markdown(result)
 
 
+@pytest.mark.slow
 def test_accumulation_suite_smoke():
     from benchmarks import accumulation
     result = accumulation.run({"gpt batch 32": (32, (2,))}, ({"data": 8},), log=lambda line: None)
@@ -95,6 +102,7 @@ def test_accumulation_suite_smoke():
     assert "| gpt batch 32 | 8 | 2 | autopar | once (8 shares) |" in accumulation.markdown(result)
 
 
+@pytest.mark.slow
 def test_pipeline_suite_smoke():
     from benchmarks import pipeline
     cases = {"2 stages": ({"stage": 2, "data": 4}, 4, 2, 1, True, False),
@@ -112,6 +120,7 @@ def test_pipeline_suite_smoke():
     assert "| circular | 2x4 | 4 | 2 | 2 | 1 | 11% |" in table
 
 
+@pytest.mark.slow
 def test_pipeline_choice_suite_smoke():
     from benchmarks import pipeline
     result = pipeline.choice((1e9,), config=dict(vocab=64, d_model=32, heads=4, layers=4),
@@ -123,6 +132,7 @@ def test_pipeline_choice_suite_smoke():
     assert "| 1 | **1x1: " in table or ("| 1 | 1x1: " in table and "| 4 stages x" in table)
 
 
+@pytest.mark.slow
 def test_pipeline_choice_within_a_memory_limit_smoke():
     from benchmarks import pipeline
     result = pipeline.choice_within((2**30,), (1e9,), config=dict(vocab=64, d_model=32,
@@ -133,6 +143,7 @@ def test_pipeline_choice_within_a_memory_limit_smoke():
     assert "| 1 | 1 | " in pipeline.within_markdown(result)
 
 
+@pytest.mark.slow
 def test_hand_written_gpipe_equals_one_device():
     """The pipeline suite's baseline computes the model's own step."""
     import jax
@@ -151,6 +162,7 @@ def test_hand_written_gpipe_equals_one_device():
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_device_suite_smoke():
     """On the CPU the 'chip' is the host: its program and the host's are one program."""
     import models

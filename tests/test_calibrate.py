@@ -21,6 +21,7 @@ def calibration():
     return measure(autopar.make_mesh(MESH), progress=False)
 
 
+@pytest.mark.slow
 def test_every_axis_gets_a_positive_link_of_its_own(calibration):
     hw = calibration.hardware
     assert hw.name == "calibrated" and hw.platform == "cpu"
@@ -37,6 +38,7 @@ def test_every_axis_gets_a_positive_link_of_its_own(calibration):
     assert "cpu" in hw.source and jax.__version__ in hw.source
 
 
+@pytest.mark.slow
 def test_measured_times_grow_with_message_size(calibration):
     # 1,000 times the bytes: a collective whose time does not grow was not timed at all
     for axis in MESH:
@@ -95,6 +97,7 @@ def test_bad_profiles_name_the_path_and_the_fix(tmp_path):
         get_profile("no_such_chip")
 
 
+@pytest.mark.slow
 def test_calibrate_saves_on_process_zero_and_shows_progress(tmp_path, capsys):
     mesh = autopar.make_mesh({"data": 2}, devices=jax.devices()[:2])
     path = tmp_path / "two.json"
@@ -116,6 +119,7 @@ def test_bad_calibration_arguments():
         calibrate(mesh, dtypes=("int32",))
 
 
+@pytest.mark.slow
 def test_a_plan_on_the_calibrated_profile_trains_like_one_device(calibration):
     step, state, batch = models.mlp_setup()
     plan = check_against_single_device(step, state, batch, autopar.make_mesh(MESH),

@@ -26,6 +26,7 @@ def assert_alive_and_unchanged(arrays, values):
         np.testing.assert_array_equal(np.asarray(x), want)
 
 
+@pytest.mark.slow
 def test_default_call_deletes_none_of_the_callers_arrays():
     step, state, batch = models.mlp_setup()
     state = copy_tree(state)  # single-device arrays, as a user has them
@@ -82,6 +83,7 @@ def test_donated_state_on_the_mesh_is_deleted_and_trains_right(option):
         sharded(old, batch)
 
 
+@pytest.mark.slow
 def test_keyword_arguments_are_traced_like_positional_ones():
     step, state, batch = models.mlp_setup()
     ref_state, ref_loss = jax.jit(step)(copy_tree(state), batch=batch)
@@ -108,6 +110,7 @@ def flagged_step():
     return flagged, state, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", [{"static_argnums": 2}, {"static_argnames": "train"}])
 def test_static_flag_gives_one_plan_per_value(option):
     step, state, batch = flagged_step()
@@ -135,6 +138,7 @@ def test_static_flag_gives_one_plan_per_value(option):
     assert autopar.plan(step, state, batch, False, mesh=MESH, **option).specs == keyword.specs
 
 
+@pytest.mark.slow
 def test_jax_make_mesh_trains_as_one_device():
     step, state, batch = models.mlp_setup()
     mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes, JAX's default

@@ -29,6 +29,7 @@ def resumed(tmp_path, step, state, batch, first, then, name="ckpt"):
     return final, losses + more
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["4x2", "data parallel"])
 def test_restore_into_another_mesh_and_strategy(tmp_path, target):
     step, state, batch = models.gpt_setup()
@@ -51,6 +52,7 @@ def test_restore_into_another_mesh_and_strategy(tmp_path, target):
         assert all(s.spec == P() for s in jax.tree.leaves(then.input_shardings(state, batch)[0][0]))
 
 
+@pytest.mark.slow
 def test_restore_a_pipelined_layout_into_an_unpipelined_one_and_back(tmp_path):
     config = dict(vocab=64, d_model=32, heads=4, layers=4, scan=True)
     _, state, batch = models.gpt_setup(batch=16, seq=16, **config)

@@ -843,6 +843,7 @@ def test_primitives_accounted_for(name):
     assert not stale, f"{name}: {stale} have a rule now: move them to the rule table"
 
 
+@pytest.mark.slow
 def test_surveyed_steps_have_no_replicated_operator():
     """The survey proper (jax.nn, optax, Flax's examples) has a rule for every operator."""
     replicated = {name: surveyed(name)[1] for name in SURVEY}

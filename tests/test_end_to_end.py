@@ -19,6 +19,7 @@ def test_linen_mlp(mesh):
     check_against_single_device(step, state, batch, autopar.make_mesh(MESHES[mesh]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_linen_gpt(mesh):
     step, state, batch = models.gpt_setup()
@@ -33,6 +34,7 @@ def test_nnx_split_merge():
     check_against_single_device(step, state, batch, autopar.make_mesh(MESHES["2x4"]))
 
 
+@pytest.mark.slow
 def test_scanned_layers_are_sharded():
     step, state, batch = models.gpt_setup(scan=True, layers=2)
     plan = check_against_single_device(step, state, batch, autopar.make_mesh(MESHES["8"]))
@@ -71,6 +73,7 @@ def test_inputs_placed_for_the_user():
     assert np.isfinite(float(loss))
 
 
+@pytest.mark.slow
 def test_linen_cnn():
     step, state, batch = models.cnn_setup()
     check_against_single_device(step, state, batch, autopar.make_mesh(MESHES["2x4"]))

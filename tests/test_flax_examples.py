@@ -31,6 +31,8 @@ from flax.training import train_state
 import autopar
 from helpers import copy_tree, global_relative_error
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
+
 MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}}
 STEPS = 3
 

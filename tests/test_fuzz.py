@@ -41,6 +41,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -49,6 +50,8 @@ import autopar
 import fuzz_models
 from fuzz_models import Spec
 from helpers import copy_tree, global_relative_error, run_steps
+
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
 
 STEPS = 2
 SEARCHES = ("dynamic_programming", "recursive_programming", "sharding_propagation")

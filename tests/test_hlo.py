@@ -40,6 +40,7 @@ def test_predicted_collectives_match_the_compiled_step(mesh):
     assert predicted and sum(predicted.values()) == pytest.approx(sum(compiled.values()), rel=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{"data": 2, "model": 4}, {"data": 2, "model": 2, "inner": 2}])
 def test_planned_reduce_scatters_and_multi_axis_reductions_compile_as_predicted(mesh):
     """The encoder-decoder's plans reduce-scatter weight gradients (2x4) and contract heads and
@@ -80,6 +81,7 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     assert compiled == predicted
 
 
+@pytest.mark.slow
 def test_every_resharding_of_a_matrix_compiles_without_xla_warnings(capfd):
     """Every resharding of a (16, 32) tensor between the shardings it can take on a 2x4 mesh
     (110 pairs), constrained through the stops the lowering uses, compiles without XLA's

@@ -118,6 +118,7 @@ def test_loop_bodies_count_per_iteration():
     assert {c.executions for c in collectives(compiled.as_text())} == {3}
 
 
+@pytest.mark.slow
 def test_per_axis_links_change_the_plan_and_the_judge_agrees():
     """A GPT on 2 nodes of 4 devices. With one link for all, the plan moves bytes over both
     axes. When 'data' crosses a network 100x slower, a byte there costs more than the whole
@@ -141,6 +142,7 @@ def test_per_axis_links_change_the_plan_and_the_judge_agrees():
     assert judged["levels"].step_s < judged["flat"].step_s
 
 
+@pytest.mark.slow
 def test_gradient_all_reduces_pay_one_latency_as_xla_combines_them():
     """XLA's all-reduce combiner merges a data-parallel step's gradient all-reduces into one
     collective: the judge sees one all-reduce, and the cost model charges the gradients one
@@ -173,6 +175,7 @@ def test_gradient_all_reduces_pay_one_latency_as_xla_combines_them():
                                           "h100").step_s
 
 
+@pytest.mark.slow
 def test_at_a_data_parallel_experts_memory_autopar_is_no_slower():
     """memory_limit set to what plain data-parallel jax.jit compiles to: autopar's estimate of
     its own unconstrained plan (the same program) reads a few percent over that, and the
@@ -197,6 +200,7 @@ def test_at_a_data_parallel_experts_memory_autopar_is_no_slower():
     assert plan.memory["compiled_bytes"] <= limit
 
 
+@pytest.mark.slow
 def test_a_conv_net_at_a_data_parallel_experts_memory_is_that_program():
     """The small ResNet at what plain data-parallel jax.jit compiles to. autopar's unlimited
     plan is that program, instruction for instruction; pinned by sharding constraints, XLA

@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import models
 from helpers import check_against_single_device
@@ -14,6 +15,8 @@ import autopar
 from autopar.cost.hlo import collectives
 from autopar.lower_loop import pinnable_loop
 from autopar.trace.tracer import trace
+
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
 
 
 def test_a_scanned_stack_compiles_the_collectives_it_plans():

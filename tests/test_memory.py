@@ -66,6 +66,7 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes,donate", [({"data": 2, "model": 4}, 0), ({"data": 8}, 0),
                                          ({"data": 8}, ())])
 def test_estimate_matches_compiled_memory(axes, donate):
@@ -81,6 +82,7 @@ def test_estimate_matches_compiled_memory(axes, donate):
     assert sum(kinds.values()) == plan.memory["peak_bytes"] == plan.cost["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming"])
 def test_estimate_matches_compiled_memory_of_transformers(search):
     """The GPT's estimate, from the propagation of its batch's sharding (1.24 of compiled
@@ -96,6 +98,7 @@ def test_estimate_matches_compiled_memory_of_transformers(search):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming"])
 def test_estimate_follows_slices_and_layouts_of_mixture_of_experts(search):
     """The mixture of experts replicates its dispatch and combine tensors and reads them
@@ -111,6 +114,7 @@ def test_estimate_follows_slices_and_layouts_of_mixture_of_experts(search):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
+@pytest.mark.slow
 def test_estimate_reuses_the_allocations_of_copied_weights():
     """The encoder-decoder's search plan on 2x4 copies 21 weights before updating them in
     place. XLA copies them first of all and puts other buffers, the copies of other weights
@@ -124,6 +128,7 @@ def test_estimate_reuses_the_allocations_of_copied_weights():
     assert 0.85 <= ratio <= 1.15, ratio
 
 
+@pytest.mark.slow
 def test_estimate_of_a_convolution_net_split_by_channels():
     """The ResNet under Megatron-style annotations (kernels split by output channels): the
     weight gradients' convolutions read activations gathered and transposed, which XLA
@@ -206,6 +211,7 @@ def _resnet_estimate_over_compiled() -> float:
     return plan.cost["peak_memory_bytes"] / compiled_bytes(sharded, state, batch)
 
 
+@pytest.mark.slow
 def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
     """XLA transposes the operands of the backward pass's convolutions into buffers of their
     own: without them the ResNet's estimate was 0.78 of the compiled memory."""
@@ -213,6 +219,7 @@ def test_estimate_counts_the_transposes_of_weight_gradient_convolutions():
     assert 0.85 <= ratio, ratio
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(jax.__version_info__ < (0, 11), strict=True,
                    reason="known gap: jax 0.10's XLA CPU reuses buffers the walk holds apart "
                    "(226 KB here); jax 0.11.2's compiles this ResNet within 15% of the walk")
@@ -268,6 +275,7 @@ def test_resharding_buffers_follow_the_collectives(reader):
         assert abs(made + result - temp) <= 0.05 * temp, (src, dst, made, result, temp)
 
 
+@pytest.mark.slow
 def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch):
     """The memory benchmark's GPT at half its unconstrained (data-parallel) peak: a plan whose
     estimate is near the limit is compiled, and where XLA needs more than the limit the step
@@ -295,6 +303,7 @@ def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch
                               memory_limit=limit).plan(state, batch)
 
 
+@pytest.mark.slow
 def test_state_four_times_the_budget_fits_and_trains():
     step, state, batch = mlp()
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
@@ -360,6 +369,7 @@ def gpt():
     return models.gpt_setup(batch=32, seq=32, vocab=64, d_model=32, heads=4, layers=2)
 
 
+@pytest.mark.slow
 def test_recompute_when_sharding_is_not_enough():
     step, state, batch = gpt()
     mesh = autopar.make_mesh({"data": 8})
@@ -386,6 +396,7 @@ def test_recompute_when_sharding_is_not_enough():
     assert 0.85 <= first.cost["peak_memory_bytes"] / compiled <= 1.15
 
 
+@pytest.mark.slow
 def test_recomputed_layers_lower_compiled_memory_and_keep_numerics():
     step, state, batch = gpt()
     mesh = autopar.make_mesh({"data": 8})
@@ -419,6 +430,7 @@ def test_plan_json_keeps_memory_and_recompute():
     assert "memory at its peak of 1024.0 MiB allowed" in plan.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["dynamic_programming", "recursive_programming"])
 def test_problems_kept_across_prices_search_as_fresh_ones(search):
     """The budget searches one graph at many prices and keeps the problems it built, unpriced;
@@ -445,6 +457,7 @@ def test_recompute_ordering_adds_an_exact_zero_whatever_the_anchor(anchor):
     np.testing.assert_array_equal(np.asarray(got), np.arange(4.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["mlp", "gpt"])
 def test_conservative_buffer_model_is_above_xla_cpu(setup):
     """The buffer model of platforms without a calibrated one assumes no fusion and no reuse:
@@ -493,6 +506,7 @@ def test_a_saved_plan_is_estimated_with_its_compilers_buffer_model(monkeypatch):
     assert applied.cost["peak_memory_bytes"] >= saved.cost["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 def test_uncalibrated_platform_compiles_to_check_a_binding_budget(monkeypatch):
     """Where the platform's buffer model is the conservative one, a budget that binds is
     checked by compiling: the plan made without it is kept where XLA fits it in the limit,

@@ -35,6 +35,7 @@ def run_processes(out, *argv):
     return done.returncode, results
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one_device(tmp_path):
     code, (p0, p1) = run_processes(tmp_path)
     assert code == 0
@@ -74,6 +75,7 @@ def test_two_processes_train_as_one_device(tmp_path):
         ("data", 2), ("model", 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("differ, shows", [
     ("shape", "'batch/inputs' differs (process 0: int32[16, 16]; process 1: int32[8, 16])"),
     ("values", "'batch/inputs' differs (process 0: values with digest")])

@@ -5,11 +5,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import copy_tree, global_relative_error
 from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.cost.hlo import collectives
+
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
 
 
 class BertLayer(nn.Module):

@@ -28,6 +28,7 @@ def in_loops(step, state, data, mesh, **options):
             if c.executions > 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, microbatches", [
     ({"stage": 2, "data": 4}, 4), ({"stage": 4, "data": 2}, 4), ({"stage": 4, "data": 2}, 2),
     ({"stage": 2, "data": 2, "model": 2}, 8)])
@@ -45,6 +46,7 @@ def test_pipelined_gpt_equals_one_device(mesh, microbatches):
     assert kernel[0] == "stage", kernel
 
 
+@pytest.mark.slow
 def test_eight_stages_and_a_saved_plan_apply():
     step, state, data = gpt_case(layers=8)
     mesh = autopar.make_mesh({"stage": 8})
@@ -56,6 +58,7 @@ def test_eight_stages_and_a_saved_plan_apply():
     assert saved.plan(state, data).pipeline_stages == 8
 
 
+@pytest.mark.slow
 def test_the_loop_only_shifts_activations():
     """Planned for h100 (the small model keeps each stage whole): inside the loops, one
     collective-permute forward and one backward per tick, no gradient reduction, no gather."""
@@ -66,6 +69,7 @@ def test_the_loop_only_shifts_activations():
     assert all(c.executions == 4 + 2 - 1 for c in found)
 
 
+@pytest.mark.slow
 def test_more_microbatches_keep_no_more_memory():
     """Weights larger than the activations (d_model 128, 8 tokens an example): the backward
     pass keeps each tick's activations, not a copy of the stage's layers per tick, so 16
@@ -113,6 +117,7 @@ def mlp_case(model, batch=16):
     return step, (params, tx.init(params)), {"inputs": x, "targets": y}
 
 
+@pytest.mark.slow
 def test_the_bubble_leaks_no_nan():
     step, state, data = mlp_case(Stack())
     plan = check_against_single_device(step, state, data,
@@ -121,6 +126,7 @@ def test_the_bubble_leaks_no_nan():
     assert plan.pipeline_stages == 4
 
 
+@pytest.mark.slow
 def test_a_lax_scan_over_stacked_weights_is_a_stack():
     def loss(params, x, y):
         def layer(h, w):
@@ -143,6 +149,7 @@ def test_a_lax_scan_over_stacked_weights_is_a_stack():
     assert plan.input_specs[0]["layers"][0] == "stage"
 
 
+@pytest.mark.slow
 def test_what_cannot_be_pipelined_is_refused():
     step, state, data = gpt_case()
     with pytest.raises(autopar.AutoparError, match="axis named 'stage' of size 2"):
@@ -162,6 +169,7 @@ class BatchStatistics(nn.Module):
         return x - x.mean(axis=0), None  # the batch's mean: not per example
 
 
+@pytest.mark.slow
 def test_a_stack_that_mixes_examples_is_refused():
     class Model(nn.Module):
         @nn.compact
@@ -176,6 +184,7 @@ def test_a_stack_that_mixes_examples_is_refused():
                      pipeline=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_accumulation_over_a_scanned_stack_equals_the_full_batch(microbatches):
     step, state, data = gpt_case(layers=2)

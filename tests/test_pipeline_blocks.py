@@ -14,6 +14,8 @@ import autopar
 from autopar.cost.hlo import collectives
 from autopar.schedule.blocks import find_blocks, rolled
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
+
 
 def loop_gpt(layers=4, batch=16):
     """The example GPT with its blocks in a Python loop and its embedding tied to the head."""

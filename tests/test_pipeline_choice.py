@@ -15,6 +15,8 @@ import autopar
 from autopar.cost.hardware import get_profile
 from autopar.planning.pipeline import Planning
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
+
 MB = 1e6
 
 

@@ -9,6 +9,8 @@ from test_pipeline_choice import slow_devices
 import autopar
 from autopar.cost.hlo import collectives
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
+
 
 @pytest.mark.parametrize("mesh, microbatches, layers", [
     ({"stage": 2, "data": 4}, 4, 4),  # M > S: a pass waits M - S ticks to go round again

@@ -18,6 +18,8 @@ from test_pipeline_circular import by_kind
 import autopar
 from autopar.cost.hlo import collectives
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
+
 MESH = {"stage": 2, "data": 4}
 GPIPE = dict(microbatches=4, pipeline=2, hardware="h100")
 

@@ -18,6 +18,7 @@ MESH = {"stage": 2, "data": 4}
 CIRCULAR = dict(microbatches=4, pipeline=2, pipeline_repeats=2, hardware="h100")
 
 
+@pytest.mark.slow
 def test_stored_placement_trains_equal_to_one_device_and_moves_no_layer():
     step, state, data = gpt_case()
     mesh = autopar.make_mesh(MESH)
@@ -63,6 +64,7 @@ def test_stored_placement_trains_equal_to_one_device_and_moves_no_layer():
                                  autopar.unpack(again_state)) < 1e-6
 
 
+@pytest.mark.slow
 def test_what_the_step_reads_in_layer_order_stays_there(tmp_path):
     """A step that also returns the first layer's kernel reads the stack in order: that leaf
     (and its optimizer state) stays in layer order, with a warning naming why; the rest is
@@ -99,6 +101,7 @@ def test_what_the_step_reads_in_layer_order_stays_there(tmp_path):
     np.testing.assert_allclose(float(flat_loss), float(ref_loss), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_stored_placement_in_shares_equals_one_device():
     """Each stage's microbatch split over 'data' as shares (per-share copies of the stored
     layers, reduced once after the loop), the layers kept in place."""
@@ -114,6 +117,7 @@ def test_stored_placement_in_shares_equals_one_device():
     assert plan.microbatch_groups == 4 and len(plan.stored.inputs) == 48
 
 
+@pytest.mark.slow
 def test_keep_placement_without_rounds_changes_nothing():
     """GPipe's placement is the layer order: nothing to store, the state comes back plain."""
     step, state, data = mlp_case(Stack(layers=4))

@@ -20,6 +20,7 @@ def abstract(tree):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+@pytest.mark.slow
 def test_json_round_trip(tmp_path):
     step, state, batch = models.gpt_setup()
     plan = autopar.plan(step, state, batch, mesh={"data": 2, "model": 4})
@@ -41,6 +42,7 @@ def test_json_round_trip(tmp_path):
     assert autopar.Plan.from_json(detailed).ops == plan.ops
 
 
+@pytest.mark.slow
 def test_paths_and_pytree_specs():
     step, state, batch = models.gpt_setup()
     plan = autopar.plan(step, state, batch, mesh={"data": 8})
@@ -54,6 +56,7 @@ def test_paths_and_pytree_specs():
     assert isinstance(tree[0][0]["params"]["Embed_0"]["embedding"], P)
 
 
+@pytest.mark.slow
 def test_saved_plan_is_reused_without_search(tmp_path):
     step, state, batch = models.mlp_setup()
     mesh = autopar.make_mesh({"data": 2, "model": 4})
@@ -65,6 +68,7 @@ def test_saved_plan_is_reused_without_search(tmp_path):
     assert [o.in_specs for o in reused.ops] == [o.in_specs for o in plan.ops]
 
 
+@pytest.mark.slow
 def test_saved_plan_runs_without_assembling_its_plan(monkeypatch):
     """A saved plan's step needs its decisions alone: costs, memory and per-operator detail
     are assembled only when the plan is asked for."""
@@ -204,6 +208,7 @@ def format_1(plan):
         indent=1)
 
 
+@pytest.mark.slow
 def test_compact_json_is_small_and_reads_top_down():
     step, state, batch = models.gpt_setup()
     plan = autopar.plan(step, state, batch, mesh=MESH)
@@ -252,6 +257,7 @@ def test_compact_plan_round_trips_and_applies_its_repeated_layers():
                           plan)
 
 
+@pytest.mark.slow
 def test_compact_plan_applies_with_the_same_decisions_and_numerics(tmp_path):
     step, state, batch = models.gpt_setup()
     mesh = autopar.make_mesh(MESH)
@@ -288,6 +294,7 @@ def test_detailed_and_format_1_json_still_apply():
     assert same_decisions(check_against_single_device(step, state, batch, mesh, plan=old), plan)
 
 
+@pytest.mark.slow
 def test_compact_plan_that_does_not_fit_is_refused():
     step, state, batch = models.gpt_setup()
     mesh = autopar.make_mesh(MESH)
@@ -312,6 +319,7 @@ def test_compact_plan_that_does_not_fit_is_refused():
     refused(lambda b: b["mesh"].update(axis_sizes=[4, 2]), "plan again for this mesh")
 
 
+@pytest.mark.slow
 def test_summary_shows_every_input_grouped_by_layer():
     step, state, batch = models.gpt_setup(layers=4)
     plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 8})

@@ -90,6 +90,7 @@ def linen_dropout_setup(key, batch=16, tokens=8, features=16):
     return make_step, (params, tx.init(params)), batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,mesh", [("raw", "8"), ("typed", "2x4")])
 def test_linen_dropout(key, mesh):
     make_step, state, batch = linen_dropout_setup(KEYS[key](7))
@@ -120,6 +121,7 @@ class NnxDropoutMLP(nnx.Module):
         return self.fc2(self.dropout(nnx.relu(self.fc1(x))))
 
 
+@pytest.mark.slow
 def test_nnx_dropout_rngs_in_state():
     """The NNX performance guide's loop: model, optimizer and their rng streams split into one
     state that goes through the step and comes back, key and count included."""
@@ -153,6 +155,7 @@ def test_nnx_dropout_rngs_in_state():
     assert all(split), [o.out_specs for o in bits]
 
 
+@pytest.mark.slow
 def test_categorical_sampling():
     """Policy-gradient style: sample actions from the logits, then train on them."""
     def step(w, batch):

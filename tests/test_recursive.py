@@ -28,6 +28,7 @@ def assert_divisible(plan):
             assert dim % math.prod(sizes[a] for a in axes) == 0, t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{"data": 6}, {"data": 2, "model": 3}, {"data": 2, "model": 4}])
 def test_recursive_programming_matches_single_device(mesh):
     step, state, batch = models.gpt_setup(batch=12)
@@ -40,12 +41,14 @@ def test_recursive_programming_matches_single_device(mesh):
     assert used == set(mesh), "every mesh axis splits some operator"
 
 
+@pytest.mark.slow
 def test_dynamic_programming_on_six_devices():
     step, state, batch = models.gpt_setup(batch=12)
     plan = check_against_single_device(step, state, batch, autopar.make_mesh({"data": 2, "model": 3}))
     assert_divisible(plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["recursive_programming", "dynamic_programming"])
 def test_indivisible_dimensions_never_split(search):
     step, state, batch = models.gpt_setup(batch=10, seq=12)  # 10 and 12 are not multiples of 8
@@ -54,6 +57,7 @@ def test_indivisible_dimensions_never_split(search):
     assert_divisible(plan)
 
 
+@pytest.mark.slow
 def test_plan_for_1024_devices_on_a_laptop():
     step, state, batch = models.gpt_setup(batch=64, seq=16, d_model=64, heads=4)
     plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 64, "model": 16},
@@ -76,6 +80,7 @@ def test_auto_mesh_keeps_the_cheapest_shape():
     assert tuple(s for _, s in best.mesh) in costs
 
 
+@pytest.mark.slow
 def test_auto_parallel_with_auto_mesh_runs_correctly():
     step, state, batch = models.mlp_setup()
     plan = check_against_single_device(step, state, batch, "auto")
@@ -95,6 +100,7 @@ def test_greedy_backend_against_brute_force():
         assert greedy.cost == pytest.approx(g.total_cost(greedy.choice))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["recursive_programming", "dynamic_programming"])
 def test_repeated_layers_are_planned_once(search):
     # dynamic_programming searches a step small enough untied (solve.UNTIED_NODE_LIMIT): the
@@ -114,6 +120,7 @@ def test_repeated_layers_are_planned_once(search):
                 assert deep[path.replace("/block_0/", f"/block_{i}/")] == spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [{"data": 2, "model": 4}, {"data": 2, "model": 3}])
 def test_rounds_within_the_full_problem_equal_the_recursion(axes):
     """dynamic_programming's axis recursion restricts the full problem round by round instead of
@@ -134,6 +141,7 @@ def test_rounds_within_the_full_problem_equal_the_recursion(axes):
     assert within.cost == pytest.approx(rounds.cost, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_first_round_that_splits_nothing_gets_all_axes_as_one():
     """A small ResNet on 2x2x2 (tpu_v4): a split over one 2-device axis is worth less than the
     latencies it adds, so the recursion's first round replicated everything and the later
@@ -176,6 +184,7 @@ def test_an_elimination_wider_than_its_estimate_falls_back_to_the_bounded_answer
     assert "lower_bound" in plan.search_stats and "one_axis_at_a_time_s" in plan.search_stats
 
 
+@pytest.mark.slow
 def test_a_three_axis_mesh_plans_as_well_as_its_two_axis_merge():
     """An encoder-decoder on 2x2x2 (h100): bounded elimination of the whole space, with every
     axis a choice of its own, was planned at 0.2113 ms, the axis recursion no better, where

@@ -85,6 +85,7 @@ def dots(compiled) -> int:
     return len(re.findall(r"= \S+ dot\(", compiled.as_text()))
 
 
+@pytest.mark.slow
 def test_nn_remat_blocks_are_planned_and_match_one_device():
     """Before remat2 was inlined, the blocks' backward passes ran replicated with a warning
     (check_against_single_device makes warnings errors)."""
@@ -100,6 +101,7 @@ def test_nn_remat_blocks_are_planned_and_match_one_device():
         assert any(axes for spec in (*op.in_specs, *op.out_specs) for axes in spec), op
 
 
+@pytest.mark.slow
 def test_nn_remat_lowers_compiled_memory_as_a_recomputation():
     """XLA's own CPU compile of nn.remat saves nothing (it drops the optimization barrier);
     autopar's lowering keeps the recomputation in the backward pass."""
@@ -173,6 +175,7 @@ def named_layer(w1, w2, x):
     return jnp.tanh(h) @ w2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["save x", "save nothing", "no checkpoint"])
 def test_checkpoint_policy_saves_its_names(policy):
     """With save_only_these_names("x") the named product is a residual, not recomputed: the
@@ -244,6 +247,7 @@ def test_nnx_remat_matches_one_device():
                                 steps=2)
 
 
+@pytest.mark.slow
 def test_plan_recompute_composes_with_nn_remat():
     """A budget that sharding alone cannot meet makes the plan recompute block_0, which the
     rematted block_1 reads through its barrier; recomputing the rematted block too (a saved

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import check_against_single_device
 from jax.sharding import PartitionSpec as P
 
@@ -229,6 +230,7 @@ def compiled_text(step: Callable, state: Any, batch: Any, mesh: Any, **options: 
     return sharded.lower(state, batch).compile().as_text()
 
 
+@pytest.mark.slow
 def test_cross_entropy_split_over_batch_and_sequence():
     def loss_fn(params, batch):
         return cross_entropy(batch["x"] @ params["w"], batch["y"])
@@ -286,6 +288,7 @@ def test_vocab_parallel_embedding_with_data_parallel_batch():
     assert grad.out_specs[0] == (("model",), ()) and grad.partial_axes == ("data",)
 
 
+@pytest.mark.slow
 def test_depthwise_conv_split_over_channels():
     def loss_fn(params, batch):
         h = depthwise(jnp.tanh(depthwise(batch["x"], params["k1"])), params["k2"])

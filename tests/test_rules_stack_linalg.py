@@ -26,6 +26,7 @@ def step(w, x):
     return w - 0.1 * grad, value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 2, "model": 4}])
 def test_stack_tile_and_batched_linear_algebra_match_one_device(mesh):
     w = jax.random.normal(jax.random.key(0), (32, 16)) * 0.2

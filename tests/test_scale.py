@@ -1,7 +1,10 @@
 """Planning at scale on abstract devices: nothing runs, nothing is allocated at full size."""
 import models
+import pytest
 
 import autopar
+
+pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
 
 
 def test_integer_label_gpt_plans_on_1024_devices_within_16_gib():

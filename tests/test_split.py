@@ -5,6 +5,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import autopar
 from autopar.rules import rule_for
@@ -45,6 +46,7 @@ def attention_step(heads=4):
     return step
 
 
+@pytest.mark.slow
 def test_fused_qkv_split():
     b, t, d = 16, 16, 64
     ks = jax.random.split(jax.random.PRNGKey(0), 4)

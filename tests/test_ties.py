@@ -155,6 +155,7 @@ def test_two_layer_mlp_gets_column_then_row_with_one_all_reduce():
     assert counts.get("all-reduce", 0) == 1 and sum(counts.values()) == 1, counts
 
 
+@pytest.mark.slow
 def test_six_layer_stack_alternates_column_and_row():
     step, state, batch = stack_setup()
     plan = check_against_single_device(step, state, batch, autopar.make_mesh({"model": 8}))
@@ -188,6 +189,7 @@ def test_exactness_is_stated_for_the_tied_plans(monkeypatch):
     assert stats["objective_s"] == pytest.approx(untied["objective_s"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_search_grows_with_distinct_layers_not_depth():
     """A second block is a layer of its own (it may take other strategies than the first);
     from there on the search no longer grows with depth."""

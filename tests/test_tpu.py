@@ -43,12 +43,14 @@ def planned(v5e, decoder):
     return sharded, sharded.plan(state, batch), sharded.lower(state, batch).compile()
 
 
+@pytest.mark.slow
 def test_the_profile_and_memory_limit_come_from_the_topology(planned):
     _, plan, _ = planned
     assert plan.hardware == "tpu_v5e"
     assert plan.memory["limit_bytes"] == autopar.PROFILES["tpu_v5e"].memory_bytes
 
 
+@pytest.mark.slow
 def test_a_v5e_mesh_plans_and_compiles_with_the_tpu_compiler(planned, v5e, decoder):
     sharded, plan, compiled = planned
     text = compiled.as_text()
@@ -68,6 +70,7 @@ def test_the_estimate_is_the_tpu_models_and_the_compiled_figure_the_peak(planned
     assert compiled_memory_bytes(compiled) == peak > 0
 
 
+@pytest.mark.slow
 def test_a_memory_limit_is_checked_against_the_tpu_compilers_peak(planned, v5e, decoder):
     """The TPU model's estimate is not calibrated (docs/decisions.md): a plan near the limit
     is compiled, and the TPU compiler's peak decides."""
@@ -95,6 +98,7 @@ def test_plan_takes_the_topology_mesh(v5e, decoder):
     assert plan.hardware == "tpu_v5e" and dict(plan.mesh) == {"data": 2, "model": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5p:2x4x4", "v5p:4x4x4"])
 def test_the_cost_model_prices_a_gather_as_the_tpu_compiler_emits_it(topology):
     """From 64 chips on, the TPU compiler gathers over every device with an all-reduce (of

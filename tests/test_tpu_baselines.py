@@ -73,6 +73,7 @@ def llama_cpu(llama):
     return cpu_step(llama, state, tokens()), state
 
 
+@pytest.mark.slow
 def test_llama_trains_on_cpu(llama_cpu):
     step, state = llama_cpu
     batch = tokens()
@@ -91,6 +92,7 @@ def unstack(params: dict, layers: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_scan_and_loop_agree(llama, llama_cpu):
     loop = tpu_models.llama("llama-tiny", BATCH, SEQ, scan_layers=False, remat="full")
     scan_step, (params, opt_state) = llama_cpu
@@ -102,12 +104,14 @@ def test_scan_and_loop_agree(llama, llama_cpu):
     np.testing.assert_allclose(scan_loss, loop_loss, rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_mixtral_step_on_cpu(mixtral):
     state = mixtral.init(jax.random.key(3))
     _, loss = cpu_step(mixtral, state, tokens())(state, tokens())
     assert np.isfinite(float(loss))
 
 
+@pytest.mark.slow
 def test_routing_respects_capacity():
     cap = capacity(16, 8, 2, 1.25)
     assert cap == 5
@@ -135,6 +139,7 @@ def param_sharding(compiled, path: list):
     return leaf(compiled.input_shardings[0][0][0], path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,axes,shard", [
     ("data_parallel", {"data": 8}, (2, 64, 4, 16)),
     ("fsdp", {"fsdp": 8}, (2, 8, 4, 16)),
@@ -152,6 +157,7 @@ def test_expert_kinds_compile(tpu, llama, kind, axes, shard):
         assert_tensor_collective(low, compiled)
 
 
+@pytest.mark.slow
 def test_zero1_splits_only_the_moments(tpu, llama):
     compiled = tpu_experts.expert_program(*llama[:4], "zero1", {"data": 8}, tpu).compile()
     path = ["layers", "mlp", "wi_0", "kernel"]
@@ -187,6 +193,7 @@ def assert_tensor_collective(lowered, compiled) -> None:
     assert ((0, 1), (2, 3), (4, 5), (6, 7)) in groups_of(compiled.as_text())
 
 
+@pytest.mark.slow
 def test_expert_parallel_compiles(tpu, mixtral):
     axes = {"fsdp": 2, "expert": 4}
     compiled = tpu_experts.expert_program(*mixtral[:4], "expert_parallel", axes, tpu).compile()
