@@ -6,6 +6,8 @@ cores. A test outside the slow tier that takes longer than FAST_LIMIT_S is named
 the run, so that the tier stays fast as tests are added.
 """
 import os
+import shutil
+import tempfile
 
 # Tests check what a step computes and what XLA's passes make of it (fusion, buffers,
 # collectives), never how fast the CPU kernels run: LLVM's optimisation of those kernels is
@@ -14,6 +16,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The test workers of one run share a compilation cache: a program one of them compiled (a
+# single-device reference step, an eager op) is read back by the other, and by a new jit of
+# the same computation. The first process (xdist's controller, whose environment the workers
+# inherit) makes a fresh folder and removes it at the end: every run starts cold, as CI's.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-tests-jax-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # libtpu takes a lock file so that one process owns a host's TPU; compile-only topologies own
 # none, and each test worker loads libtpu.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -48,3 +59,8 @@ def pytest_terminal_summary(terminalreporter):
                                  "smaller")
         for nodeid, seconds in sorted(_slow_in_fast_tier, key=lambda t: -t[1]):
             terminalreporter.write_line(f"{seconds:6.1f}s  {nodeid} (limit {FAST_LIMIT_S} s)")
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
