@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt.py
 
-# Test processes at once: the suite is mostly XLA compiles and planning, one core each; two
-# take the 2-core CI machine's suite from about 24 to about 17 minutes.
+# Test processes at once: the suite is mostly XLA compiles and planning, one core each; on CI's
+# 2 cores, two workers (sharing one compilation cache, tests/conftest.py) take about 9 minutes.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
