@@ -330,7 +330,7 @@ def _body_bytes(comp: _Comp, comps: dict[str, _Comp]) -> float:
     for inst in comp.insts.values():
         if inst.op in _NO_TRAFFIC or inst.op in _COLLECTIVES or inst.op.endswith("-done"):
             continue
-        callee = comps.get((re.search(r"calls=%?([\w.\-]+)", inst.attrs) or [0, ""])[1])
+        callee = _fused(inst, comps)
         total += _written(callee, callee.root, comps) if callee else _inst_written(comp, inst)
         for k, o in enumerate(inst.operands):
             if o not in comp.insts:
@@ -340,6 +340,11 @@ def _body_bytes(comp: _Comp, comps: dict[str, _Comp]) -> float:
             else:
                 total += _operand_read(comp, inst, k, _nbytes(comp.insts[o].shape))
     return total
+
+
+def _fused(inst: _Inst, comps: dict[str, _Comp]) -> _Comp | None:
+    """The computation a fusion (or another op with `calls=`) runs, if any."""
+    return comps.get((re.search(r"calls=%?([\w.\-]+)", inst.attrs) or [0, ""])[1])
 
 
 def _parameter(comp: _Comp, k: int) -> str:
@@ -358,9 +363,10 @@ def _operand_read(comp: _Comp, inst: _Inst, k: int, full: float) -> float:
 
 
 def _inst_written(comp: _Comp, inst: _Inst) -> float:
+    """Bytes `inst` writes: a dynamic-update-slice its update (in place), others their result."""
     if inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
-        return _nbytes(comp.insts[inst.operands[1]].shape) if inst.operands[1] in comp.insts \
-            else 0.0
+        update = comp.insts.get(inst.operands[1])
+        return _nbytes(update.shape) if update else 0.0
     return _nbytes(inst.shape)
 
 
@@ -373,7 +379,7 @@ def _read(comp: _Comp, name: str, comps: dict[str, _Comp]) -> float:
     full, total = _nbytes(inst.shape), 0.0
     users = [u for u in comp.insts.values() if name in u.operands]
     for user in users:
-        callee = comps.get((re.search(r"calls=%?([\w.\-]+)", user.attrs) or [0, ""])[1])
+        callee = _fused(user, comps)
         for k in (k for k, o in enumerate(user.operands) if o == name):
             if user.op == "bitcast":
                 total += _read(comp, user.name, comps)
