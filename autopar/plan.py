@@ -12,10 +12,12 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
+from autopar.name_ranges import collapse
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.schedule.lanes import Lanes
 from autopar.schedule.storable import Storage
 from autopar.trace.ir import OpGraph
+from autopar.trace.layers import layer_key
 
 
 @dataclass
@@ -307,9 +309,7 @@ def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:
 
 def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
     """(path or pattern, tensor) rows: tensors whose paths differ only in their numbers and
-    that agree in shape, dtype and spec are one row, block_{0..3}/... (plan_json.collapse)."""
-    from autopar.plan_json import collapse
-    from autopar.trace.layers import layer_key
+    that agree in shape, dtype and spec are one row, block_{0..3}/... (name_ranges.collapse)."""
     groups: dict[tuple, list[TensorPlan]] = defaultdict(list)
     for t in tensors:
         groups[(layer_key(t.path), t.shape, t.dtype, t.spec, t.bytes_per_device)].append(t)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.plan import Repeat
-from autopar.plan_json import collapse, expand
+from autopar.name_ranges import collapse, expand
 from helpers import check_against_single_device, copy_tree, global_relative_error
 
 
