@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast fuzz bench clean
+.PHONY: run test test-fast fuzz reliability bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,20 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "not slow" tests
 
-# Property-based fuzzing, long profile: 200 random steps, meshes and searches (tests/test_fuzz.py).
+# Property-based fuzzing, long profile: 200 random steps, meshes and searches (tests/test_fuzz.py),
+# and thousands of malformed plans, options and hardware profiles (tests/test_malformed.py).
 fuzz: $(STAMP)
-	AUTOPAR_FUZZ=long $(PY) -m pytest -q -s tests/test_fuzz.py
+	AUTOPAR_FUZZ=long $(PY) -m pytest -q -s tests/test_fuzz.py tests/test_malformed.py
+
+# docs/reliability.md from what the fault and fuzz tests record as they run: the malformed-input
+# fuzzing in its long profile, the correctness fuzzing in its fast one, every fault test.
+RELIABILITY_LOG := .pytest_cache/reliability.jsonl
+reliability: $(STAMP)
+	mkdir -p .pytest_cache && rm -f $(RELIABILITY_LOG)
+	AUTOPAR_RELIABILITY_LOG=$(CURDIR)/$(RELIABILITY_LOG) AUTOPAR_FUZZ=long $(PY) -m pytest -q \
+		tests/test_malformed.py tests/test_faults.py tests/test_determinism.py
+	AUTOPAR_RELIABILITY_LOG=$(CURDIR)/$(RELIABILITY_LOG) $(PY) -m pytest -q tests/test_fuzz.py
+	$(PY) -m benchmarks.reliability $(RELIABILITY_LOG) docs/reliability.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache plans

@@ -5,22 +5,23 @@ the mesh, with a strategy chosen by search under a cost model, readable as a `Pl
 """
 from autopar.schedule.accumulate import grad, value_and_grad
 from autopar.api import AutoParallel, auto_parallel, plan
-from autopar.checkpoint import checkpoint_plan, restore_checkpoint, save_checkpoint
+from autopar.checkpoint import (checkpoint_plan, latest_checkpoint, restore_checkpoint,
+                                save_checkpoint, wait_for_checkpoints)
 from autopar.cost.calibrate import calibrate
 from autopar.cost.hardware import PROFILES, Hardware, load_hardware, measure_host
 from autopar.cost.judge import Evaluation, evaluate
 from autopar.distributed import global_batch, is_main_process, process_rows
-from autopar.errors import AutoparError, MemoryLimitError
+from autopar.errors import AutoparError, AutoparWarning, MemoryLimitError
 from autopar.mesh import make_mesh
+from autopar.preemption import Preemption
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
-from autopar.planning.problem import AutoparWarning
 from autopar.schedule.stored import Placed, unpack
 from autopar.trace.shard import shard
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "grad",
-           "PROFILES", "Hardware", "measure_host", "calibrate", "load_hardware", "AutoparError", "MemoryLimitError",
-           "Evaluation", "evaluate", "AutoparWarning", "make_mesh", "OpDecision", "Plan",
-           "Redistribution", "TensorPlan", "load_plan", "save_checkpoint", "restore_checkpoint",
-           "checkpoint_plan", "process_rows", "global_batch", "is_main_process", "Placed",
-           "unpack"]
+           "PROFILES", "Hardware", "measure_host", "calibrate", "load_hardware", "AutoparError",
+           "MemoryLimitError", "Evaluation", "evaluate", "AutoparWarning", "make_mesh",
+           "OpDecision", "Plan", "Redistribution", "TensorPlan", "load_plan", "save_checkpoint",
+           "restore_checkpoint", "checkpoint_plan", "latest_checkpoint", "wait_for_checkpoints",
+           "Preemption", "process_rows", "global_batch", "is_main_process", "Placed", "unpack"]
 __version__ = "0.1.0"

@@ -1,29 +1,45 @@
 """Checkpoints of a plan's sharded state (orbax), restorable into any other plan or mesh.
 
 - `save_checkpoint(path, state, plan)`: every process writes its own shards of every array
-  (orbax's StandardCheckpointer; nothing is gathered on one device) and process 0 writes the
-  plan's JSON beside them, `path/autopar_plan.json`.
+  (orbax's StandardCheckpointer; nothing is gathered on one device), the plan's JSON in the
+  checkpoint's metadata. Orbax writes into `path.orbax-checkpoint-tmp` and renames it to `path`
+  once every shard and the metadata are written: a save cut short (a killed process, a full
+  disk) leaves no `path` behind, and the previous checkpoint stands. `wait=False` returns once
+  the arrays are copied off the devices and writes in the background; `wait_for_checkpoints()`,
+  and the interpreter's exit, wait for it.
 - `restore_checkpoint(path, like, shardings)`: every process reads the pieces its own devices
   hold under `shardings`, whatever plan or mesh wrote them: a (2, 4) plan's state restores into
   a (4, 2) plan, a data-parallel one, or a pipelined one and back (a pipelined plan keeps the
   state's tree and shapes; only its shardings differ). This is MindSpore's distributed
   checkpoint transformation, done by tensorstore's reads of array slices.
-- `checkpoint_plan(path)`: the plan saved beside, to apply again (`auto_parallel(plan=...)`).
+- `checkpoint_plan(path)`: the plan saved with it, to apply again (`auto_parallel(plan=...)`).
+- `latest_checkpoint(directory)`: the newest complete checkpoint of a series saved one per step
+  (`directory/step_<n>`), cut saves left out with a warning that names them; with
+  `autopar.Preemption` (preemption.py), what a preempted job resumes from.
 """
 from __future__ import annotations
 
+import functools
+import glob
 import os
+import re
+import threading
+import warnings
 from typing import Any
 
 import jax
 
-from autopar.distributed import is_main_process
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, AutoparWarning
 from autopar.plan import Plan, load_plan
 from autopar.schedule.stored import unpack
 from autopar.trace.tracer import path_to_str
 
-PLAN_FILE = "autopar_plan.json"
+PLAN_FILE = "autopar_plan.json"  # where checkpoints of earlier versions kept the plan
+PLAN_KEY = "autopar_plan"  # the plan's JSON in the checkpoint's custom metadata
+CUT = ".orbax-checkpoint-tmp"  # what orbax writes into until the save is complete
+METADATA = "_METADATA"  # the tree's metadata, written at the end: restore needs it
+STEP = re.compile(r"step_(\d+)$")
+_pending: list[Any] = []  # checkpointers whose saves may still be writing
 
 
 def _orbax() -> Any:
@@ -36,23 +52,89 @@ def _orbax() -> Any:
 
 
 def save_checkpoint(path: str | os.PathLike, state: Any, plan: Plan | None = None, *,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, wait: bool = True) -> None:
     """Save `state` (a pytree of arrays, sharded as the plan left it) to the directory `path`,
-    and `plan`'s JSON beside it. Every process must call it (each writes its own shards); it
-    returns when the checkpoint is complete. An existing checkpoint is replaced only with
-    `overwrite=True`. A state kept in the circular placement (autopar.Placed) is saved as
-    your tree, its layers in your order (autopar.unpack)."""
+    and `plan`'s JSON with it. Every process must call it (each writes its own shards). It
+    returns when the checkpoint is complete, or with `wait=False` as soon as the arrays are
+    copied to host memory (the rest is written in the background: `wait_for_checkpoints()`;
+    the interpreter waits for it at exit). `path` appears only once complete. An existing
+    checkpoint is replaced only with `overwrite=True`. A state kept in the circular
+    placement (autopar.Placed) is saved as your tree, its layers in your order
+    (autopar.unpack)."""
     ocp = _orbax()
+    wait_for_checkpoints()  # one save at a time: the previous one finishes first
     state = unpack(state)
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not overwrite:
         raise AutoparError(f"checkpoint directory {path} exists. Fix: save to a new path (one "
                            "per step, say), or pass overwrite=True.")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, state, force=overwrite)
-    checkpointer.wait_until_finished()
-    if plan is not None and is_main_process():
-        plan.save(os.path.join(path, PLAN_FILE))
+    metadata = {PLAN_KEY: plan.to_json()} if plan is not None else None
+    checkpointer.save(path, state, force=overwrite, custom_metadata=metadata)
+    _pending.append(checkpointer)
+    if wait:
+        wait_for_checkpoints()
+    else:
+        _wait_at_exit()
+
+
+@functools.cache
+def _wait_at_exit() -> None:
+    """Wait for the saves before the interpreter's exit stops their threads. atexit is too
+    late: by then concurrent.futures has refused new work (its own hook, one of threading's,
+    runs first) and orbax's background writes fail, leaving only the `.orbax-checkpoint-tmp`
+    directory. threading's exit hooks run last-registered first, so this one, registered
+    after orbax started its executors, runs before theirs."""
+    threading._register_atexit(wait_for_checkpoints)  # type: ignore[attr-defined]
+
+
+def wait_for_checkpoints() -> None:
+    """Return once every checkpoint this process started saving is complete."""
+    while _pending:
+        checkpointer = _pending.pop(0)
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> tuple[int, str] | None:
+    """(n, path) of the newest complete checkpoint `directory/step_<n>` (the largest n), or
+    None where there is none. A save that was cut short is left out, with an AutoparWarning
+    naming it."""
+    directory = os.path.abspath(os.fspath(directory))
+    cut = sorted(glob.glob(os.path.join(glob.escape(directory), f"step_*{CUT}*")))
+    if cut:
+        warnings.warn(f"left out {len(cut)} checkpoint save(s) that did not complete: "
+                      f"{', '.join(cut)} (a process stopped while writing them; they can be "
+                      "deleted)", AutoparWarning, stacklevel=2)
+    steps = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        found = STEP.match(name)
+        if found and _complete(os.path.join(directory, name)):
+            steps.append((int(found.group(1)), name))
+    if not steps:
+        return None
+    step, name = max(steps)
+    return step, os.path.join(directory, name)
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA))
+
+
+def _check_complete(path: str) -> None:
+    """An AutoparError where `path` holds no complete checkpoint, naming a cut save."""
+    cut = sorted(glob.glob(glob.escape(path) + CUT + "*"))
+    if not os.path.isdir(path):
+        why = (f"; the save to it was cut short, and {cut[0]} holds what it wrote"
+               if cut else "")
+        raise AutoparError(f"no checkpoint at {path}{why}. Fix: pass the directory "
+                           "save_checkpoint wrote (autopar.latest_checkpoint(directory) finds "
+                           "the newest complete one).")
+    if not _complete(path):
+        raise AutoparError(f"{path} is not a complete checkpoint (it has no {METADATA}, which "
+                           "a save writes last). Fix: restore an earlier checkpoint "
+                           "(autopar.latest_checkpoint(directory)), or pass the directory "
+                           "save_checkpoint wrote.")
 
 
 def restore_checkpoint(path: str | os.PathLike, like: Any, shardings: Any = None) -> Any:
@@ -62,9 +144,7 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, shardings: Any = None
     `shardings` its leaves' own shardings are used. Each process reads only its shards."""
     ocp = _orbax()
     path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise AutoparError(f"no checkpoint at {path}. Fix: pass the directory save_checkpoint "
-                           "wrote.")
+    _check_complete(path)
     leaves, tree = jax.tree_util.tree_flatten_with_path(like)
     chosen = ([None] * len(leaves) if shardings is None else _matching_leaves(like, shardings))
     targets = []
@@ -76,8 +156,11 @@ def restore_checkpoint(path: str | os.PathLike, like: Any, shardings: Any = None
                                "step.input_shardings(state, batch)[0][0].")
         targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
     checkpointer = ocp.StandardCheckpointer()
-    _check_matches(path, like, checkpointer)
-    return checkpointer.restore(path, jax.tree_util.tree_unflatten(tree, targets))
+    try:
+        _check_matches(path, like, checkpointer)
+        return checkpointer.restore(path, jax.tree_util.tree_unflatten(tree, targets))
+    finally:
+        checkpointer.close()
 
 
 def _matching_leaves(like: Any, shardings: Any) -> list[Any]:
@@ -110,6 +193,16 @@ def _check_matches(path: str, like: Any, checkpointer: Any) -> None:
 
 
 def checkpoint_plan(path: str | os.PathLike) -> Plan | None:
-    """The plan saved beside the checkpoint at `path`, None if it was saved without one."""
-    file = os.path.join(os.fspath(path), PLAN_FILE)
+    """The plan saved with the checkpoint at `path`, None if it was saved without one."""
+    path = os.path.abspath(os.fspath(path))
+    _check_complete(path)
+    checkpointer = _orbax().StandardCheckpointer()
+    try:
+        saved = checkpointer.metadata(path)
+    finally:
+        checkpointer.close()
+    text = (getattr(saved, "custom_metadata", None) or {}).get(PLAN_KEY)
+    if text is not None:
+        return Plan.from_json(text)
+    file = os.path.join(path, PLAN_FILE)
     return load_plan(file) if os.path.exists(file) else None

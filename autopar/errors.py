@@ -1,4 +1,4 @@
-"""The one exception family the library raises."""
+"""The one exception family the library raises, and its warning."""
 from __future__ import annotations
 
 
@@ -20,3 +20,8 @@ def collect_errors(problems: list[str], headline: str) -> None:
     if problems:
         body = "\n".join(f"  - {p}" for p in problems)
         raise AutoparError(f"{headline}\n{body}")
+
+
+class AutoparWarning(UserWarning):
+    """A warning from autopar (an operator replicated for lack of a rule, a checkpoint save
+    left incomplete, for example)."""

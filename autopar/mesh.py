@@ -55,7 +55,7 @@ def make_mesh(axes: Mapping[str, int], devices: Any = None) -> Mesh:
     Auto axes leave XLA's sharding propagation in charge between our constraints, which is what
     constraint-based lowering needs (jax.make_mesh defaults to Explicit axes).
     """
-    names, sizes = tuple(axes), tuple(int(s) for s in axes.values())
+    names, sizes = _checked_axes(axes)
     devices = list(jax.devices() if devices is None else devices)
     needed = math.prod(sizes)
     if needed > len(devices):
@@ -66,6 +66,22 @@ def make_mesh(axes: Mapping[str, int], devices: Any = None) -> Mesh:
         )
     grid = np.array(devices[:needed], dtype=object).reshape(sizes)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _checked_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A mesh's axis names and sizes, or an AutoparError naming what is wrong with them."""
+    example = "Fix: autopar.make_mesh({'data': 2, 'model': 4}): axis names to sizes >= 1."
+    if not isinstance(axes, Mapping) or not axes:
+        raise AutoparError(f"make_mesh takes a dict of axis names to sizes, got {axes!r}. "
+                           f"{example}")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise AutoparError(f"mesh axis name {name!r} (in {dict(axes)}) is not a name. "
+                               f"{example}")
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+            raise AutoparError(f"mesh axis {name!r} has size {size!r} (in {dict(axes)}). "
+                               f"{example}")
+    return tuple(axes), tuple(int(s) for s in axes.values())
 
 
 def auto_axes(mesh: Mesh) -> Mesh:

@@ -41,6 +41,7 @@ class Decisions:
 
 # search_stats' wall-clock entries, left out of the JSON and of equality
 WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s"})
+PRICED = {"compute_s", "communication_s", "total_s", "peak_memory_bytes"}  # a cost's parts
 
 
 @dataclass(frozen=True)
@@ -208,10 +209,12 @@ class Plan:
         lines = [f"{'path':<{width}}  {'spec':<28} bytes/device"]
         lines += [f"{p:<{width}}  {s:<28} {b}" for p, s, b in rows]
         c = self.cost
-        lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, communication "
-                     f"{c['communication_s'] * 1e3:.3f} ms, total {c['total_s'] * 1e3:.3f} ms; "
-                     f"peak memory {c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
-        if self.memory:
+        if PRICED <= set(c):  # a partial plan (annotations read from a file) has no cost
+            lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, "
+                         f"communication {c['communication_s'] * 1e3:.3f} ms, total "
+                         f"{c['total_s'] * 1e3:.3f} ms; peak memory "
+                         f"{c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
+        if {"at_peak", "where"} <= set(self.memory):
             m = self.memory
             kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"
                               for k, v in m["at_peak"].items() if v)
@@ -275,7 +278,11 @@ class Plan:
         from autopar.plan_json import plan_fields
         try:
             return Plan(**plan_fields(json.loads(text)))
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except json.JSONDecodeError as e:
+            raise AutoparError(f"a plan file holds JSON, and this text does not parse ({e}); "
+                               "it may have been cut short. Fix: load a file written by "
+                               "Plan.save or Plan.to_json.") from e
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # what the schema cannot see
             raise AutoparError(f"not a valid autopar plan JSON ({e!r}). Fix: load a file written "
                                "by Plan.save or Plan.to_json.") from e
 
@@ -290,8 +297,13 @@ class Plan:
 
 def load_plan(path: str) -> Plan:
     """Read a plan written by `Plan.save`."""
-    with open(path) as f:
-        return Plan.from_json(f.read())
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise AutoparError(f"cannot read a plan from {path}: {e}. Fix: pass the path of a file "
+                           "written by Plan.save.") from e
+    return Plan.from_json(text)
 
 
 def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from autopar.errors import AutoparError
 from autopar.name_ranges import collapse, expand
+from autopar.plan_check import check_axes, check_document
 from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
@@ -260,15 +261,13 @@ def lanes_from(body: dict[str, Any] | None, inputs: tuple) -> Lanes | None:
                  tuple(t.path for t in inputs))
 
 
-def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a Plan from its JSON document (any version in READS)."""
-    if body.get("format_version") not in READS:
-        raise AutoparError(f"plan format_version {body.get('format_version')!r} is not one "
-                           f"this autopar reads {READS}. Fix: plan again with this autopar "
-                           "version.")
+def plan_fields(body: Any) -> dict[str, Any]:
+    """The fields of a Plan from its JSON document (any version in READS); an AutoparError
+    naming every place where it is malformed (plan_check)."""
+    check_document(body, READS, FORMAT_VERSION)
     names, sizes = body["mesh"]["axis_names"], body["mesh"]["axis_sizes"]
     inputs = tuple(tensor_from(t) for t in body["inputs"])
-    return dict(
+    fields = dict(
         mesh=tuple((str(n), int(s)) for n, s in zip(names, sizes)),
         search=body.get("search", body.get("backend", "")), hardware=body.get("hardware", ""),
         microbatches=int(body.get("microbatches", 1)),
@@ -284,6 +283,27 @@ def plan_fields(body: dict[str, Any]) -> dict[str, Any]:
         redistributions=tuple(redistribution_from(r) for r in body.get("redistributions", [])),
         memory=body.get("memory", {}), recompute=tuple(body.get("recompute", [])),
         decided=tuple(decision_from(d) for d in body.get("decisions", [])))
+    check_axes(names, _specs_of(fields))
+    return fields
+
+
+def _specs_of(fields: dict[str, Any]) -> list[tuple[str, Any, Spec]]:
+    """(where, shape, spec) of every spec in a plan's fields (shape None: not recorded)."""
+    found = [(f"{kind} {t.path!r}", t.shape, t.spec)
+             for kind in ("inputs", "outputs") for t in fields[kind]]
+    for kind, entries in (("decisions", fields["decided"]), ("ops", fields["ops"])):
+        for k, d in enumerate(entries):
+            if isinstance(d, Repeat):
+                continue
+            shapes = (*d.in_shapes, *(getattr(d, "out_shapes", None) or [None] * len(
+                d.out_specs)))
+            specs = (*d.in_specs, *d.out_specs)
+            found += [(f"{kind}[{k}] ({d.primitive}) spec {i}", shape, spec)
+                      for i, (shape, spec) in enumerate(zip(shapes, specs))]
+    found += [(f"redistributions[{k}] of {r.tensor!r}", r.shape, spec)
+              for k, r in enumerate(fields["redistributions"]) for spec in (r.from_spec,
+                                                                             r.to_spec)]
+    return found
 
 
 def dumps(body: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ search, planning) are the fast tier, `make test-fast`, which must stay within 2 
 cores. A test outside the slow tier that takes longer than FAST_LIMIT_S is named at the end of
 the run, so that the tier stays fast as tests are added.
 """
+import json
 import os
 import shutil
 import tempfile
@@ -64,3 +65,23 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session):
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# Where the fault and fuzz tests record what they tried and what came of it, one JSON line per
+# record (docs/reliability.md is made from them: `make reliability`).
+RELIABILITY_LOG = os.environ.get("AUTOPAR_RELIABILITY_LOG")
+
+
+@pytest.fixture
+def reliability(request):
+    """`reliability(what, outcomes, lost)`: record that this test tried `what`, with a count
+    per outcome ({"refused": 40, "taken": 20}) and what was lost, as the test measured it, when
+    AUTOPAR_RELIABILITY_LOG names a file."""
+    def record(what: str, outcomes, lost: str = "nothing") -> None:
+        if RELIABILITY_LOG:
+            line = json.dumps({"test": request.node.nodeid.split("[")[0], "what": what,
+                               "profile": os.environ.get("AUTOPAR_FUZZ", "fast"),
+                               "outcomes": dict(outcomes), "lost": lost})
+            with open(RELIABILITY_LOG, "a") as f:
+                f.write(line + "\n")
+    return record

@@ -247,7 +247,7 @@ class Summary:
             {"profile": PROFILE, "counts": self.counts, "failures": self.failures}, indent=1))
 
 
-def test_fuzz_matches_single_device():
+def test_fuzz_matches_single_device(reliability):
     summary = Summary()
     seen = set()
 
@@ -330,6 +330,9 @@ def test_fuzz_matches_single_device():
     finally:
         print("\n" + summary.line())
         summary.close()
+        reliability("random train steps, meshes, searches and schedules, sharded against "
+                    "one device", summary.counts,
+                    f"{summary.counts['failed']} steps computed wrong or crashed")
     if summary.failures:
         raise AssertionError(f"{len(summary.failures)} failing cases:\n" +
                              "\n".join(summary.failures))

@@ -64,6 +64,20 @@ class Hardware:
     # all-gather; tests/test_tpu.py).
     gather_by_sum_from: int = 0
 
+    def __post_init__(self) -> None:
+        rates = {"flops": self.flops, "memory_bandwidth": self.memory_bandwidth,
+                 "link_bandwidth": self.link_bandwidth, "memory_bytes": self.memory_bytes,
+                 **{f"levels[{k}].bandwidth": lv.bandwidth for k, lv in enumerate(self.levels)}}
+        delays = {"link_latency": self.link_latency,
+                  **{f"levels[{k}].latency": lv.latency for k, lv in enumerate(self.levels)},
+                  **{f"levels[{k}].devices": lv.devices for k, lv in enumerate(self.levels)}}
+        wrong = [f"{k} = {v!r} (must be > 0)" for k, v in rates.items() if not _number(v) > 0]
+        wrong += [f"{k} = {v!r} (must be >= 0)" for k, v in delays.items() if not _number(v) >= 0]
+        if wrong:
+            raise AutoparError(f"hardware profile {self.name!r}: {'; '.join(wrong)}. Fix: give "
+                               "the device's measured or published figures (bytes, seconds, "
+                               "FLOP/s), or autopar.calibrate(mesh).")
+
     # The cost model's caches key on the profile millions of times per plan: hash it once.
     def __hash__(self) -> int:
         return self._hash
@@ -94,7 +108,11 @@ class Hardware:
         placed = tuple((str(axis), str(level)) for axis, level in body.pop("axis_levels", ()))
         numbers = {k: float(body.pop(k)) for k in
                    ("flops", "memory_bandwidth", "link_bandwidth", "link_latency")}
-        return cls(name=str(body.pop("name")), memory_bytes=int(body.pop("memory_bytes")),
+        name, memory = body.pop("name"), body.pop("memory_bytes")
+        if not isinstance(name, str) or isinstance(memory, bool) or not isinstance(memory, int):
+            raise ValueError(f"name {name!r} must be a string and memory_bytes {memory!r} an "
+                             "integer")
+        return cls(name=name, memory_bytes=memory,
                    gather_by_sum_from=int(body.pop("gather_by_sum_from", 0)),
                    levels=levels, axis_levels=placed, **numbers,
                    **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
@@ -105,6 +123,12 @@ class Hardware:
 
 
 HARDWARE_FORMAT = "autopar.hardware/1"
+
+
+def _number(v: Any) -> float:
+    """`v` as a finite number; NaN (which compares false) where it is none."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) != float("inf")
+    return float(v) if ok else float("nan")
 
 
 def load_hardware(path: "str | os.PathLike") -> Hardware:

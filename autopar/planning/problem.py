@@ -22,6 +22,7 @@ import autopar_search as search
 from autopar.cost.hardware import Hardware
 from autopar.cost.facts import op_signatures, weight_gradients
 from autopar.cost.model import shard_bytes
+from autopar.errors import AutoparWarning
 from autopar.mesh import MeshShape
 from autopar.planning.pricing import Resharding, resharding_edges, unit_costs
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
@@ -39,10 +40,6 @@ from autopar.trace.layers import repeated_ties
 # parallelism, and 2x slower at the data-parallel program's memory, where the budget had to
 # choose a leaner plan).
 TIE_PRICE = 1e-18
-
-
-class AutoparWarning(UserWarning):
-    """A warning from autopar (an operator replicated for lack of a rule, for example)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from typing import Sequence
 
-from autopar.errors import collect_errors
+from autopar.errors import AutoparError, collect_errors
 from autopar.mesh import MeshShape
 from autopar.plan import Decision, Decisions, OpDecision, Plan, Repeat
 from autopar.planning.problem import make_units
@@ -23,16 +23,14 @@ from autopar.rules import Spec, Strategy, enumerate_strategies, follow
 from autopar.rules.factors import canonical
 from autopar.rules.kinds import decides
 from autopar.trace.analysis import layer_steps
-from autopar.trace.ir import OpGraph
+from autopar.trace.ir import Op, OpGraph
 from autopar.trace.layers import instance_of
 
 
 def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisions:
     """The decisions a saved plan records, checked against this trace of the step."""
+    _check_mesh(saved, shape)
     problems = []
-    if dict(saved.mesh) != shape.as_dict():
-        problems.append(f"the plan was made for mesh {dict(saved.mesh)}, this mesh is {shape}; "
-                        "plan again for this mesh")
     by_path = {t.path: t for t in saved.inputs}
     inputs = []
     for t in graph.inputs:
@@ -62,11 +60,39 @@ def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisi
                      pinned_inside=saved.search_stats.get("pinned_inside", True))
 
 
-def _strategy(in_specs: tuple[Spec, ...], out_specs: tuple[Spec, ...],
-              partial_axes: tuple[str, ...], shape: MeshShape) -> Strategy:
-    used = {a for spec in (*in_specs, *out_specs) for axes in spec for a in axes}
-    return Strategy((), in_specs, out_specs, partial_axes,
-                    math.prod(shape.axis_size(a) for a in used))
+def _check_mesh(saved: Plan, shape: MeshShape) -> None:
+    """The plan's mesh is this one: the same axis names, each of the same size."""
+    names = tuple(n for n, _ in saved.mesh)
+    if names != shape.names:
+        raise AutoparError(
+            f"the saved plan splits over mesh axes {names}, and this mesh has axes "
+            f"{shape.names} ({shape}). Fix: make the mesh with the plan's axis names, "
+            f"autopar.make_mesh({dict(saved.mesh)}), or plan again for this mesh (leave out "
+            "plan=).")
+    if dict(saved.mesh) != shape.as_dict():
+        raise AutoparError(f"the saved plan was made for mesh {dict(saved.mesh)}, and this mesh "
+                           f"is {shape}. Fix: plan again for this mesh (leave out plan=), or "
+                           "make the plan's mesh.")
+
+
+def _strategy(graph: OpGraph, op: Op, d: Decision | OpDecision, shape: MeshShape,
+              problems: list[str]) -> Strategy | None:
+    """The recorded strategy of `op`, its specs padded to its operands' ranks; None, with a
+    problem, where the record does not fit the operator (a hand-edited plan)."""
+    tensors = [graph.tensors[t] for t in (*op.inputs, *op.outputs)]
+    specs = (*d.in_specs, *d.out_specs)
+    unknown = set(d.partial_axes) - set(shape.names)
+    if (len(d.in_specs), len(d.out_specs)) != (len(op.inputs), len(op.outputs)) or unknown \
+            or any(len(spec) > len(t.shape) for spec, t in zip(specs, tensors)):
+        problems.append(f"the plan's strategy for operator {op.id} ({op.primitive} at "
+                        f"{op.source}) does not fit its {len(op.inputs)} operands and "
+                        f"{len(op.outputs)} results of shapes {[t.shape for t in tensors]} "
+                        f"on mesh {shape}; plan again")
+        return None
+    padded = [spec + ((),) * (len(t.shape) - len(spec)) for spec, t in zip(specs, tensors)]
+    used = {a for spec in padded for axes in spec for a in axes}
+    return Strategy((), tuple(padded[:len(op.inputs)]), tuple(padded[len(op.inputs):]),
+                    d.partial_axes, math.prod(shape.axis_size(a) for a in used))
 
 
 def _recorded_ops(graph: OpGraph, recorded: Sequence[OpDecision], shape: MeshShape,
@@ -79,7 +105,7 @@ def _recorded_ops(graph: OpGraph, recorded: Sequence[OpDecision], shape: MeshSha
             problems.append(f"operator {op.id} is {op.primitive}{shapes} here but "
                             f"{d.primitive}{d.in_shapes} in the plan; plan again")
             break
-        ops.append(_strategy(d.in_specs, d.out_specs, d.partial_axes, shape))
+        ops.append(_strategy(graph, op, d, shape, problems))
     return ops
 
 
@@ -145,7 +171,9 @@ def _rebuilt_ops(graph: OpGraph, decided: Sequence[Decision | Repeat],
         main = unit.main
         source = producer.get(unit.inputs[main]) if main is not None else None
         if d is not None:
-            st = _strategy(d.in_specs, d.out_specs, d.partial_axes, shape)
+            st = _strategy(graph, unit.op, d, shape, problems)
+            if st is None:
+                return []
         elif source is not None and source[0] < u:
             st = follow(unit.rule, mesh, main, made[source[0]][source[1]])
         else:  # decides, unrecorded: only an operator with one strategy may be

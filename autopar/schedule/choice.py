@@ -106,8 +106,9 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
         unfit = [e for e in errors if isinstance(e, MemoryLimitError)]
         raise (MemoryLimitError if unfit else AutoparError)(
             "pipeline='auto': no schedule could be planned; "
-            + "; ".join(f"{t['stages']} stage(s), microbatches={t['microbatches']}: "
-                        f"{t['left_out']}" for t in tried)) from (unfit or errors)[0]
+            + "; ".join(f"{t['stages']} stage(s)"
+                        + (f", microbatches={t['microbatches']}" if "microbatches" in t else "")
+                        + f": {t['left_out']}" for t in tried)) from (unfit or errors)[0]
     (planning, decisions, p), mesh = best
     p = dataclasses.replace(p, search_stats={**p.search_stats, "schedules_tried": tried})
     return planning, decisions, p, mesh_shape(dict(p.mesh)) if p.pipeline_stages > 1 else mesh

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopar.planning.problem import AutoparWarning
+from autopar.errors import AutoparWarning
 from autopar.schedule.stored import placement_order, wrapped_state
 from autopar.schedule.vectorise import LaneSearch, StackedRun, find_lanes
 from autopar.trace.tracer import argument_names, leaf_paths, state_pairs, trace
