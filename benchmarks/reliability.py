@@ -4,7 +4,8 @@
 
 LOG holds one JSON line per record, written by the tests' `reliability` fixture
 (tests/conftest.py) when AUTOPAR_RELIABILITY_LOG names it: the test, what it tried, its
-profile, a count per outcome and what was lost. Records of the same test and trial are summed.
+fuzzing profile, a count per outcome, what was lost and what it measured. Records of the same
+test and trial are summed, their figures given as ranges.
 """
 from __future__ import annotations
 
@@ -21,29 +22,39 @@ HEADER = """# Reliability: what was tried, how often, and what was lost
 Made by `make reliability` from the records the tests themselves write
 (`AUTOPAR_RELIABILITY_LOG`, tests/conftest.py's `reliability`); no figure here is typed by hand.
 Every row is a passing test: a fault whose outcome broke the test's assertions would have failed
-the run instead. "refused" counts inputs answered with an `AutoparError` naming the problem and
+the run instead. "runs" counts the test's runs, "cases" what they tried in all; "refused" counts
+inputs answered with an `AutoparError` naming the problem and
 a fix; "taken" counts inputs accepted, and a step run under them computed what one device does.
 How a fault is handled, and why: docs/decisions.md, "Faults".
 
 {machine}
 
-| what was tried | test | profile | tried | outcomes | lost |
-|---|---|---|---|---|---|
+| what was tried | test | fuzzing profile | runs | cases | outcomes | measured | lost |
+|---|---|---|---|---|---|---|---|
 """
 
 
 def rows(lines: list[str]) -> list[str]:
-    merged: dict[tuple[str, str, str], tuple[Counter, str]] = {}
+    """One table row per test and trial: outcomes summed over its runs, figures as ranges."""
+    merged: dict[tuple[str, str, str], dict] = {}
     for line in lines:
         r = json.loads(line)
-        key = (r["what"], r["test"], r["profile"])
-        counts, _ = merged.get(key, (Counter(), ""))
-        merged[key] = (counts + Counter(r["outcomes"]), r.get("lost", ""))
+        row = merged.setdefault((r["what"], r["test"], r["profile"]),
+                                {"runs": 0, "counts": Counter(), "lost": set(), "measured": {}})
+        row["runs"] += 1
+        row["counts"] += Counter(r["outcomes"])
+        row["lost"].add(r["lost"])
+        for name, value in r["measured"].items():
+            row["measured"].setdefault(name, []).append(value)
     out = []
-    for (what, test, profile), (counts, lost) in merged.items():
+    for (what, test, profile), row in merged.items():
+        counts = row["counts"]
         outcomes = "; ".join(f"{k} {v}" for k, v in counts.most_common())
-        out.append(f"| {what} | `{test}` | {profile} | {sum(counts.values())} | {outcomes} "
-                   f"| {lost} |")
+        figures = "; ".join(f"{name} {min(v):.3g}-{max(v):.3g}" if len(v) > 1 else
+                            f"{name} {v[0]:.3g}" for name, v in row["measured"].items())
+        out.append(f"| {what} | `{test}` | {profile or '-'} | {row['runs']} | "
+                   f"{sum(counts.values())} | {outcomes} | {figures or '-'} | "
+                   f"{'; '.join(sorted(row['lost']))} |")
     return out
 
 

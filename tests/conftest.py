@@ -74,14 +74,16 @@ RELIABILITY_LOG = os.environ.get("AUTOPAR_RELIABILITY_LOG")
 
 @pytest.fixture
 def reliability(request):
-    """`reliability(what, outcomes, lost)`: record that this test tried `what`, with a count
-    per outcome ({"refused": 40, "taken": 20}) and what was lost, as the test measured it, when
-    AUTOPAR_RELIABILITY_LOG names a file."""
-    def record(what: str, outcomes, lost: str = "nothing") -> None:
+    """`reliability(what, outcomes, lost, measured, profile)`: record that this test tried
+    `what`, with a count per outcome ({"refused": 40, "taken": 20}), what was lost and any
+    figures measured ({"seconds to stop": 4.2}), as the test found them, when
+    AUTOPAR_RELIABILITY_LOG names a file. `profile`: a fuzzing test's AUTOPAR_FUZZ profile."""
+    def record(what: str, outcomes, lost: str = "nothing", measured=None,
+               profile: str = "") -> None:
         if RELIABILITY_LOG:
             line = json.dumps({"test": request.node.nodeid.split("[")[0], "what": what,
-                               "profile": os.environ.get("AUTOPAR_FUZZ", "fast"),
-                               "outcomes": dict(outcomes), "lost": lost})
+                               "profile": profile, "outcomes": dict(outcomes), "lost": lost,
+                               "measured": measured or {}})
             with open(RELIABILITY_LOG, "a") as f:
                 f.write(line + "\n")
     return record

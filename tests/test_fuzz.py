@@ -332,7 +332,7 @@ def test_fuzz_matches_single_device(reliability):
         summary.close()
         reliability("random train steps, meshes, searches and schedules, sharded against "
                     "one device", summary.counts,
-                    f"{summary.counts['failed']} steps computed wrong or crashed")
+                    f"{summary.counts['failed']} steps computed wrong or crashed", profile=PROFILE)
     if summary.failures:
         raise AssertionError(f"{len(summary.failures)} failing cases:\n" +
                              "\n".join(summary.failures))

@@ -152,7 +152,7 @@ def test_mutated_plan_json_loads_or_is_refused(reference, reliability):
             assert plan.summary() and autopar.Plan.from_json(plan.to_json()) == plan
 
     check()
-    reliability("plan JSON mutated, then loaded", counts)
+    reliability("plan JSON mutated, then loaded", counts, profile=PROFILE)
     assert counts["refused"] > 0 and sum(counts.values()) == EXAMPLES["plan"]
 
 
@@ -177,7 +177,7 @@ def test_mutated_plan_applies_right_or_is_refused(reference, reliability):
 
     check()
     reliability("plan JSON mutated, then applied to a step", counts,
-                "nothing: every step run computed what one device does")
+                "nothing: every step run computed what one device does", profile=PROFILE)
     assert sum(counts.values()) == EXAMPLES["apply"]
 
 
@@ -245,7 +245,7 @@ def test_mutated_options_plan_right_or_are_refused(reference, reliability):
 
     check()
     reliability("auto_parallel options drawn at random", counts,
-                "nothing: every step run computed what one device does")
+                "nothing: every step run computed what one device does", profile=PROFILE)
     assert counts["refused"] > 0 and sum(counts.values()) == EXAMPLES["options"]
 
 
@@ -264,5 +264,5 @@ def test_mutated_hardware_profile_loads_or_is_refused(tmp_path, reliability):
             _outcome(Counter(), lambda: autopar.plan(_step, *_state(), mesh=MESH, hardware=hw))
 
     check()
-    reliability("hardware profile mutated, then loaded", counts)
+    reliability("hardware profile mutated, then loaded", counts, profile=PROFILE)
     assert counts["refused"] > 0 and sum(counts.values()) == EXAMPLES["hardware"]
