@@ -22,10 +22,10 @@ run: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not slow" tests
 
 # Property-based fuzzing, long profile: 200 random steps, meshes and searches (tests/test_fuzz.py),
 # and thousands of malformed plans, options and hardware profiles (tests/test_malformed.py).

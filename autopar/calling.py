@@ -127,6 +127,20 @@ class Call:
                 for name, value in zip(self.names, self.traced)
                 for keys, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
 
+    def _needs_static(self, error: Exception) -> Exception:
+        """`error` (the step needed the value of a traced argument, as under jax.jit), as an
+        AutoparError naming the Python scalars passed traced, where there are any."""
+        scalars = [name for name, value in zip(self.names, self.traced)
+                   if isinstance(value, (bool, int, float))]
+        if not scalars:
+            return error
+        return AutoparError(
+            f"{_name(self.fn)} uses the value of an argument that autopar traces, as jax.jit "
+            f"does ({type(error).__name__}); it was passed the Python value(s) "
+            f"{', '.join(repr(n) for n in scalars)}. Fix: mark them static, "
+            f"auto_parallel(..., static_argnames={tuple(scalars)!r}), or compute with "
+            "jnp.where / lax.cond rather than Python `if`.")
+
     def _check(self) -> None:
         """Static values must be hashable and traced leaves arrays or numbers, as jax.jit
         needs; each problem named by argument, path and type, with the fix."""
@@ -207,9 +221,13 @@ class Call:
                     a[where] = value
                 else:
                     kw[where] = value
-            return fn(*a, **kw)
+            try:
+                return fn(*a, **kw)
+            except jax.errors.ConcretizationTypeError as e:  # a bool(tracer) among them
+                raise self._needs_static(e) from e
 
         step.__name__ = step.__qualname__ = _name(fn)
+        step.__wrapped__ = fn  # type: ignore[attr-defined]  # JAX's messages name fn's source
         step.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
              for name in self.names], __validate_parameters__=False)

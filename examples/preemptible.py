@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument("--dir", help="where the checkpoints go (default: a new temporary one)")
     parser.add_argument("--out", help="where each process writes its results")
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--sigterm-after", type=int, default=1)
     parser.add_argument("--sigkill-after", type=int)
     parser.add_argument("--heartbeat", type=int, default=10,

@@ -62,6 +62,13 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{seconds:6.1f}s  {nodeid} (limit {FAST_LIMIT_S} s)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tier first (stable: files keep their order within a tier), so that the
+    workers start the long tests early and the short ones fill the end of the run; with
+    worksteal (the Makefile), a worker that runs dry takes over the other's queue."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_sessionfinish(session):
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

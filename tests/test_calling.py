@@ -177,3 +177,18 @@ def test_arguments_that_cannot_be_traced_are_named_with_the_fix():
     fixed = autopar.auto_parallel(moded, mesh=autopar.make_mesh(MESH), static_argnums=2)
     _, loss = fixed(state, batch, "train")
     np.testing.assert_allclose(float(loss), float(jax.jit(step)(state, batch)[1]), rtol=1e-5)
+
+
+def test_a_branch_on_a_traced_python_bool_names_the_argument_and_the_fix():
+    def step(params, x, train=True):
+        if train:  # a Python branch on a value jax traces
+            x = x * 2
+        return jnp.sum(x @ params)
+
+    stepped = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 2, "model": 4}))
+    params, x = jnp.ones((8, 4)), jnp.ones((4, 8))
+    with pytest.raises(autopar.AutoparError, match=r"'train'.*static_argnames=\('train',\)"):
+        stepped(params, x, train=False)
+    fixed = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 2, "model": 4}),
+                                  static_argnames="train")
+    assert float(fixed(params, x, train=False)) == float(jnp.sum(x @ params))

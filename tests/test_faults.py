@@ -15,7 +15,7 @@ import pytest
 import autopar
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "preemptible.py")
-HEARTBEAT_S = 5  # what the killed-process case gives jax.distributed.initialize
+HEARTBEAT_S = 3  # what the killed-process case gives jax.distributed.initialize
 
 
 def _example(tmp_path, *argv):

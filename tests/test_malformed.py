@@ -30,7 +30,7 @@ import autopar
 PROFILE = os.environ.get("AUTOPAR_FUZZ", "fast")
 _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
-EXAMPLES = {"fast": {"plan": 60, "apply": 12, "options": 12, "hardware": 60},
+EXAMPLES = {"fast": {"plan": 60, "apply": 8, "options": 8, "hardware": 60},
             "long": {"plan": 1000, "apply": 150, "options": 150, "hardware": 500}}[PROFILE]
 MESH = {"data": 2, "model": 4}
 
@@ -212,10 +212,16 @@ OPTIONS = {
                                      1.5e9, True]),
     "microbatches": st.sampled_from([1, 2, 4, 3, 0, -1, "auto", "x", 2.0, None]),
     "pipeline": st.sampled_from([1, 2, 0, -2, "auto", "x", None]),
-    "annotations": st.sampled_from([None, {"batch/x": P("data")}, {"batch/x": P("nope")},
-                                    {"batch/x": P("data", "data")}, {"nothing": P()},
-                                    {"params/w1": P(None, "model", "data")}, {"batch/x": 5},
-                                    "P('data')", [P()]]),
+    "annotations": st.one_of(
+        st.dictionaries(  # input paths, or regexes (some of them broken), to specs or junk
+            st.sampled_from(["params/w1", "params/b1", "batch/x", "batch/y", "params/.*",
+                             "batch/.*", "^nothing$", "(", "w2$"]),
+            st.one_of(st.lists(st.sampled_from([None, "data", "model", ("data", "model"),
+                                                "nope", ("data", "data")]), max_size=3)
+                      .map(lambda dims: P(*dims)),
+                      st.sampled_from([5, "data", None, ("data",)])),
+            max_size=3),
+        st.sampled_from([None, "P('data')", [P()], 3])),
 }
 
 

@@ -128,10 +128,10 @@ def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
             problems.append(f"{head}: {spec} names axis {unknown[0]!r}, which the mesh does not "
                             f"have. Fix: use the mesh's axes {list(mesh.names)}.")
             continue
-        twice = [a for a in axes if a in seen]
+        twice = [a for j, a in enumerate(axes) if a in seen or a in axes[:j]]
         if twice:
-            problems.append(f"{head}: {spec} uses axis {twice[0]!r} for two dimensions. Fix: "
-                            "split each dimension over different axes.")
+            problems.append(f"{head}: {spec} uses axis {twice[0]!r} twice. Fix: split each "
+                            "dimension over different axes, each axis once.")
         seen.update(axes)
         in_order = tuple(sorted(axes, key=mesh.names.index))
         if axes != in_order:
@@ -151,8 +151,15 @@ def check_spec(spec: Any, shape: tuple[int, ...], mesh: MeshShape, where: str,
 
 def check_annotations_type(annotations: Any) -> None:
     """Reject what cannot be annotations before any tracing."""
-    if annotations is None or isinstance(annotations, (Plan, Mapping, list, tuple)):
+    if annotations is None or isinstance(annotations, (Plan, Mapping)):
         return
+    if isinstance(annotations, (list, tuple)):
+        odd = [a for a in annotations if not (isinstance(a, (list, tuple)) and len(a) == 2)]
+        if not odd:
+            return
+        raise AutoparError(f"annotations as a list hold (regex, PartitionSpec) pairs; "
+                           f"{odd[0]!r} is not one. Fix: e.g. [('params/.*', P(None, "
+                           "'model'))], or a dict of regex -> PartitionSpec.")
     raise AutoparError(f"annotations={annotations!r} is not understood. Fix: pass a dict of "
                        "regex -> PartitionSpec over input paths, a list of such pairs, or a Plan "
                        "(autopar.load_plan(path)).")
