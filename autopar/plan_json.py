@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 from autopar.errors import AutoparError
 from autopar.name_ranges import collapse, expand
-from autopar.plan_check import check_axes, check_document
 from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
+from autopar.plan_check import check_axes, check_document
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
 from autopar.schedule.lanes import Lanes

@@ -1,4 +1,4 @@
-"""A training job that survives preemption: 2 processes of 4 CPU devices each, on localhost.
+"""A training job that survives preemption: 2 processes of 2 CPU devices each, on localhost.
 
     python examples/preemptible.py       # trains, is preempted, resumes, and checks the result
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Any
 
-PROCESSES, LOCAL_DEVICES = 2, 4
+PROCESSES, LOCAL_DEVICES = 2, 2
 
 
 def launch(args: argparse.Namespace, after: int | None, sig: int, timeout: float = 120
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> int:
     def init() -> Any:  # parameters and optimizer state
         return models.gpt_setup(batch=16, seq=16, **config)[1]
 
-    train_step = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 2, "model": 4}))
+    train_step = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 2, "model": 2}))
     abstract = jax.eval_shape(init)
     layout, batch_layout = train_step.input_shardings(abstract, host_batch(0))[0]
 
@@ -142,7 +142,7 @@ def main() -> int:
     parser.add_argument("--port", type=int)
     parser.add_argument("--dir", help="where the checkpoints go (default: a new temporary one)")
     parser.add_argument("--out", help="where each process writes its results")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--sigterm-after", type=int, default=1)
     parser.add_argument("--sigkill-after", type=int)

@@ -1,6 +1,6 @@
 """Faults: a job preempted and resumed, a process killed, a save cut short, a save left to the
 background at exit, and checkpoint directories that hold no checkpoint. The multi-process
-cases are examples/preemptible.py's (2 processes x 4 CPU devices on localhost)."""
+cases are examples/preemptible.py's (2 processes x 2 CPU devices on localhost)."""
 import json
 import os
 import signal
@@ -31,15 +31,15 @@ def _results(tmp_path, name):
 
 @pytest.mark.slow
 def test_a_preempted_job_saves_at_one_step_and_resumes_exactly(tmp_path, reliability):
-    done = _example(tmp_path, "--steps", "16", "--sigterm-after", "1")
+    done = _example(tmp_path, "--steps", "40", "--sigterm-after", "1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     preempted, resumed = _results(tmp_path, "preempted"), _results(tmp_path, "process")
     # both processes stopped at the same step, after the signal and before the end, and saved
     stopped = preempted[0]["stopped_at"]
-    assert preempted[1]["stopped_at"] == stopped and 2 <= stopped < 16
+    assert preempted[1]["stopped_at"] == stopped and 2 <= stopped < 40
     assert autopar.latest_checkpoint(tmp_path / "ckpt")[0] == stopped
     assert autopar.checkpoint_plan(tmp_path / "ckpt" / f"step_{stopped}").mesh == (
-        ("data", 2), ("model", 4))
+        ("data", 2), ("model", 2))
     # resumed there, and equal to the bit to the same steps run without a stop
     for first, then in zip(preempted, resumed):
         assert then["start"] == stopped and then["stopped_at"] is None
