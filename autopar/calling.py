@@ -135,8 +135,9 @@ class Call:
         if not scalars:
             return error
         return AutoparError(
-            f"{_name(self.fn)} uses the value of an argument that autopar traces, as jax.jit "
-            f"does ({type(error).__name__}); it was passed the Python value(s) "
+            f"{_name(self.fn)}{_where(self.fn, error)} uses the value of an argument that "
+            f"autopar traces, as jax.jit does ({type(error).__name__}); it was passed the "
+            f"Python value(s) "
             f"{', '.join(repr(n) for n in scalars)}. Fix: mark them static, "
             f"auto_parallel(..., static_argnames={tuple(scalars)!r}), or compute with "
             "jnp.where / lax.cond rather than Python `if`.")
@@ -263,6 +264,17 @@ def _which(where: int | str, name: str | None = None) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _where(fn: Callable, error: Exception) -> str:
+    """' (file:line)' of the line in `fn` where `error` was raised, or ''."""
+    code, line = getattr(inspect.unwrap(fn), "__code__", None), None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f" ({code.co_filename}:{line})" if line is not None else ""
 
 
 def _name(fn: Callable) -> str:

@@ -187,8 +187,11 @@ def test_a_branch_on_a_traced_python_bool_names_the_argument_and_the_fix():
 
     stepped = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 2, "model": 4}))
     params, x = jnp.ones((8, 4)), jnp.ones((4, 8))
-    with pytest.raises(autopar.AutoparError, match=r"'train'.*static_argnames=\('train',\)"):
+    with pytest.raises(autopar.AutoparError, match=r"'train'.*static_argnames=\('train',\)"
+                       ) as raised:
         stepped(params, x, train=False)
+    line = step.__code__.co_firstlineno + 1  # the `if train:`
+    assert f"step ({__file__}:{line})" in str(raised.value)
     fixed = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 2, "model": 4}),
                                   static_argnames="train")
     assert float(fixed(params, x, train=False)) == float(jnp.sum(x @ params))
