@@ -79,7 +79,12 @@ state = {f"w{i}": jax.device_put(np.random.default_rng(i).standard_normal((1024,
 directory, then = sys.argv[1], sys.argv[2]
 autopar.save_checkpoint(os.path.join(directory, "step_1"), state)
 autopar.save_checkpoint(os.path.join(directory, "step_2"), state, wait=False)
-if then == "killed":  # mid-save: the write of 128 MB has only begun
+if then == "killed":  # mid-save: once orbax's thread has begun writing the 128 MB
+    import time
+    cut = os.path.join(directory, "step_2.orbax-checkpoint-tmp")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(cut) and time.monotonic() < deadline:
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
