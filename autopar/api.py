@@ -9,11 +9,11 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.schedule.accumulate import step_of
-from autopar.calling import Call, Conventions, place, shape_and_dtype
+from autopar.applying import applied
+from autopar import progress
+from autopar.calling import Call, Conventions, _name, place, shape_and_dtype
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware
-from autopar.cost.xla import buffer_model
 from autopar.devices import (check_runnable, compiler_platform, mesh_profile,
                              resolve_memory_limit)
 from autopar.distributed import agree, call_items, decisions_items
@@ -21,22 +21,19 @@ from autopar.errors import AutoparError
 from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
-from autopar.schedule.choice import planned_schedule
-from autopar.schedule.microbatches import check_microbatches
-from autopar.schedule.gpipe import check_pipeline
 from autopar.plan import Decisions, Plan, load_plan
-from autopar.planning.assemble import assemble, output_specs, pipeline_detail
+from autopar.plan_cache import through_cache
 from autopar.planning.pins import Annotations, check_annotations_type
 from autopar.planning.pipeline import Planning
-from autopar.planning.saved import decisions_from_plan
 from autopar.planning.solve import SEARCHES
 from autopar.rules.factors import Spec, to_partition_spec
-from autopar.schedule.lanes import Lanes, as_leaf, traced_lanes
-from autopar.schedule.storable import Storage, storage
-from autopar.schedule.stored import placed_outputs, reading_stored, stored_inputs
+from autopar.schedule.choice import planned_schedule
+from autopar.schedule.gpipe import check_pipeline
+from autopar.schedule.lanes import Lanes, as_leaf
+from autopar.schedule.microbatches import check_microbatches
+from autopar.schedule.storable import Storage
+from autopar.schedule.stored import placed_outputs, stored_inputs
 from autopar.trace.ir import OpGraph
-from autopar.trace.tracer import trace
-
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
          hardware: str | Hardware | None = None, annotations: Annotations = None,
@@ -70,6 +67,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     hw = mesh_profile(hardware, mesh)
     limit = resolve_memory_limit(memory_limit, hw, mesh)
     platform = compiler_platform(mesh, hw)
+    shape = mesh_or_count(mesh)
 
     def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
                repeats: int = 1) -> Planning:
@@ -77,9 +75,22 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
                                platform, microbatches, groups, stages, repeats,
                                keep_placement)
 
-    with young_objects_only():
-        return planned_schedule(call, microbatches, batch_argnums, traced,
-                                mesh_or_count(mesh), limit, pipeline, pipeline_repeats)[2]
+    options = {"mesh": shape, "search": search, "hardware": hw, "annotations": annotations,
+               "memory_limit": limit, "microbatches": microbatches,
+               "batch_argnums": batch_argnums, "pipeline": pipeline,
+               "pipeline_repeats": pipeline_repeats, "keep_placement": keep_placement}
+
+    def apply(cached: Plan) -> Plan:
+        on = shape if isinstance(shape, MeshShape) else mesh_shape(dict(cached.mesh))
+        return applied(call, cached, on, hw, platform, batch_argnums).make_plan()
+
+    def searched() -> Plan:
+        with young_objects_only():
+            return planned_schedule(call, microbatches, batch_argnums, traced, shape, limit,
+                                    pipeline, pipeline_repeats)[2]
+
+    with progress.task(f"planning {_name(fn)}"):
+        return through_cache("plan", call, options, platform, apply, searched, lambda p: p)
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -244,7 +255,7 @@ class AutoParallel:
         if key not in self._cache:
             # several processes: each plans the same program, or all stop here (distributed.py)
             agree("the step's call", call_items(call, self._options()))
-            with young_objects_only():
+            with young_objects_only(), progress.task(f"planning {_name(self.fn)}"):
                 self._cache[key] = made = self._make(call)
             agree("the plan made from that call", decisions_items(made.decisions))
         return self._cache[key]
@@ -257,71 +268,25 @@ class AutoParallel:
                 "pipeline_repeats": self.repeats, "keep_placement": self.keep_placement}
 
     def _make(self, call: Call) -> _Signature:
-        """Plan (or apply the saved plan) for these arguments; the jitted step."""
+        """Plan (or apply the saved plan, or the plan cache's) for these arguments; the jitted
+        step."""
         requested = self.requested
         shape = mesh_shape(requested) if isinstance(requested, Mesh) else requested
         if self.saved is not None:
-            return self._from_saved(call, shape)
-        return self._planned(call, shape)
+            return self._from_saved(call, shape, self.saved, self.microbatches)
+        return through_cache("auto_parallel", call, self._options(), self.platform,
+                             lambda cached: self._from_saved(call, shape, cached),
+                             lambda: self._planned(call, shape), lambda made: made.plan)
 
-    def _from_saved(self, call: Call, shape: MeshShape) -> _Signature:
+    def _from_saved(self, call: Call, shape: MeshShape | int, saved: Plan,
+                    microbatches: int | None = None) -> _Signature:
         """The saved plan's decisions applied to this step: no search."""
-        step, stored = self._step(call), self.saved.stored
-        if stored is not None:  # the stack reads the leaves the plan stores
-            step = reading_stored(step, stored.reads)
-        lanes = self.saved.lanes
-        if lanes is not None:  # the Python loop's layers stacked, as the plan stores them
-            graph, lanes, out_tree, in_tree, plan_out_tree = self._saved_lanes(step, call,
-                                                                               lanes)
-        else:
-            graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
-                                              compiler=self.platform)
-            out_tree = plan_out_tree = jax.tree_util.tree_structure(out_shape)
-        if stored is not None:
-            found = storage(graph, self.stages, self.repeats)
-            if found != stored:
-                raise AutoparError(
-                    f"the saved plan keeps {len(stored.inputs)} leaves of the stack in the "
-                    f"circular placement ({stored.inputs}), and this step lets "
-                    f"{len(found.inputs)} be stored ({found.inputs}). Fix: plan this step "
-                    "again.")
-        decisions = decisions_from_plan(graph, self.saved, shape)
-        # Its Plan (costs, memory, per-operator detail) is assembled only when asked for:
-        # running the step needs the decisions alone.
-        def assembled() -> Plan:
-            plan = assemble(graph, decisions, shape, self.hw, self.saved.search,
-                            dict(self.saved.search_stats), in_tree, plan_out_tree,
-                            buffers=buffer_model(self.platform))
-            plan = dataclasses.replace(plan, microbatches=self.microbatches,
-                                       microbatch_groups=self.saved.microbatch_groups,
-                                       pipeline_stages=self.stages,
-                                       pipeline_repeats=self.repeats, stored=stored,
-                                       lanes=lanes)
-            if self.stages > 1:
-                plan = dataclasses.replace(plan, pipeline=pipeline_detail(graph, plan))
-            return plan
-
-        return self._signature(graph, decisions, dict(self.saved.mesh),
-                               output_specs(graph, decisions), out_tree, assembled, stored,
-                               lanes)
-
-    def _saved_lanes(self, step: Callable, call: Call, saved: Lanes) -> tuple:
-        """The step traced over the layers a saved plan stores stacked (traced_lanes: its
-        graph, Lanes, output tree and the plan's trees); an AutoparError where this step
-        stacks other leaves."""
-        found = traced_lanes(step, call.abstract(), call.donated, self.platform)
-        if found is None or found[1] != saved:
-            got = found[1].families if found else 0
-            raise AutoparError(
-                f"the saved plan keeps {saved.families} families of a Python loop's layers "
-                f"stacked, and this step lets {got} be stacked "
-                f"({'other leaves' if got else 'none'}). Fix: plan this step again.")
-        return found
-
-    def _step(self, call: Call) -> Callable:
-        groups = self.saved.microbatch_groups if self.saved is not None else 1
-        return step_of(call, self.microbatches, self.batch_argnums, groups, self.stages,
-                       self.repeats)
+        if not isinstance(shape, MeshShape):  # a device count: the plan's mesh
+            shape = mesh_shape(dict(saved.mesh))
+        done = applied(call, saved, shape, self.hw, self.platform, self.batch_argnums,
+                       microbatches)
+        return self._signature(done.graph, done.decisions, dict(saved.mesh), done.out_specs,
+                               done.out_tree, done.make_plan, done.stored, done.lanes)
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
@@ -377,7 +342,8 @@ class AutoParallel:
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
-            with young_objects_only():
+            with young_objects_only(), progress.task(f"compiling {_name(self.fn)}"):
+                progress.update("stage", "XLA compiling the sharded step")
                 outs = made.jitted(*placed)
             self._called.add(key)
         if lanes is not None:

@@ -177,6 +177,12 @@ class Call:
                 tuple(self.trees), tuple((shape, str(dtype)) for shape, dtype in
                                          map(shape_and_dtype, self.leaves)))
 
+    @functools.cached_property
+    def jaxpr(self) -> tuple[Any, Any]:
+        """The plain step's closed jaxpr and output shapes, traced once per call: the plan
+        cache's key, and the trace a cached plain plan is applied to."""
+        return jax.make_jaxpr(self.step(), return_shape=True)(*self.abstract())
+
     def abstract(self) -> list[Any]:
         """The traced arguments as shapes and dtypes (weak types kept), for tracing: without
         the shardings they arrive in, which on a mesh of Explicit axes would trace the step

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import jax
 
+from autopar import progress
 from autopar.cost.estimate import mib
 from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.judge import evaluate
@@ -198,6 +199,7 @@ def _compiled(compiled_of: Compiled, made: Any) -> tuple[Any, int]:
     """(the executable, or None, and the bytes a device needs to run it). The TPU compiler
     refuses a program over the chip's memory (RESOURCE_EXHAUSTED) where XLA CPU compiles
     anything: the bytes are then those its error names (its temporaries), at least."""
+    progress.update("stage", "compiling the plan to check its memory")
     try:
         executable = compiled_of(made)
     except jax.errors.JaxRuntimeError as e:

@@ -29,6 +29,8 @@ if _OWN_CACHE:
 # libtpu takes a lock file so that one process owns a host's TPU; compile-only topologies own
 # none, and each test worker loads libtpu.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Tests plan afresh: a plan cache of the developer's would answer for the search under test.
+os.environ.pop("AUTOPAR_PLAN_CACHE_DIR", None)
 
 import sys  # noqa: E402
 

@@ -76,8 +76,9 @@ def test_saved_plan_runs_without_assembling_its_plan(monkeypatch):
     mesh = autopar.make_mesh({"data": 2, "model": 4})
     saved = autopar.Plan.from_json(autopar.plan(step, state, batch, mesh=mesh).to_json())
     assembled = []
-    real = autopar.api.assemble
-    monkeypatch.setattr(autopar.api, "assemble",
+    from autopar import applying
+    real = applying.assemble
+    monkeypatch.setattr(applying, "assemble",
                         lambda *a, **k: assembled.append(1) or real(*a, **k))
     stepper = autopar.auto_parallel(step, mesh=mesh, plan=saved)
     ref_state, ref_loss = jax.jit(step)(copy_tree(state), batch)

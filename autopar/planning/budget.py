@@ -27,6 +27,7 @@ import dataclasses
 import math
 from typing import Callable
 
+from autopar import progress
 from autopar.cost.estimate import mib
 from autopar.cost.memory import kept_bytes, plan_memory
 from autopar.cost.model import shard_bytes
@@ -58,6 +59,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
         return free
     tried = [(0.0, free)]
     start = free.tally.total_s / max(free.peak_bytes, 1)
+    attempt = _reported(attempt, tried)
 
     def search_prices(recompute: frozenset) -> Candidate | None:
         """Raise the price until a plan fits, then bisect below it; the fastest that fits."""
@@ -96,6 +98,16 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
     if found is None:
         raise nothing_fits(_leanest(tried), limit, graph, mesh)
     return found
+
+
+def _reported(attempt: Attempt, tried: list) -> Attempt:
+    """`attempt`, saying on the progress line which memory round it is."""
+    def run(price: float, recompute: frozenset, cap: float | None) -> Candidate:
+        progress.update("round", f"memory round {len(tried) + 1}: " + (
+            f"proving a cap of {mib(cap)} kept" if cap is not None else
+            f"price {price:.3g} s/byte") + (", layers recomputed" if recompute else ""))
+        return attempt(price, recompute, cap)
+    return run
 
 
 def _leanest(tried: list[tuple[float | None, Candidate]]) -> Candidate:

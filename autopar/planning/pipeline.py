@@ -14,6 +14,7 @@ import jax
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
+from autopar import progress
 from autopar.errors import AutoparError, AutoparWarning
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, Plan
@@ -76,6 +77,7 @@ class Planning:
         schedule/lanes.py), and the circular schedule's stack stored in its placement where
         the step allows (traced again: to find which leaves, then reading them so)."""
         t0 = time.perf_counter()
+        progress.update("stage", "tracing")
         platform = platform or hw.platform
         found = (traced_lanes(fn, args, donated, platform)
                  if keep_placement and pipeline_stages > 1 else None)
@@ -114,7 +116,9 @@ class Planning:
         prove = self.prove and self.search == "dynamic_programming"
         best = None
         first_error = fit_error = None
-        for shape in shapes:
+        for n, shape in enumerate(shapes, 1):
+            progress.update("mesh", f"mesh {dict(zip(shape.names, shape.sizes))}" +
+                            (f" ({n} of {len(shapes)})" if len(shapes) > 1 else ""))
             try:
                 pinned = resolve_annotations(self.graph, shape, self.annotations)
             except AutoparError as e:  # a candidate mesh without the annotated axes
@@ -147,6 +151,7 @@ class Planning:
                  recompute: frozenset, kept_budget: float | None) -> Candidate:
         """One search at a memory price (budget.Attempt): its decisions, cost and memory."""
         problems = self.problems.setdefault(shape, {})
+        progress.update("stage", f"searching ({self.search})")
         decisions, stats = solve(self.graph, shape, self.hw, self.search, pinned, price,
                                  self.units, problems, kept_budget)
         decisions = dataclasses.replace(decisions, recompute=recompute)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from autopar import progress
 from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
@@ -64,6 +65,9 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
         nonlocal best
         entry = {"stages": stages, "mesh": str(mesh), "microbatches": m,
                  **({"repeats": rounds} if rounds > 1 else {})}
+        progress.update("schedule", f"schedule {len(tried) + 1}: " + (
+            f"{stages} stages, {m} microbatches" + (f", {rounds} rounds" if rounds > 1 else "")
+            if stages > 1 else f"no pipeline, {m} microbatches"))
         try:
             planned = planned_within(call, m, batch_argnums, traced, mesh, limit, stages,
                                      rounds)

@@ -261,15 +261,16 @@ def _open(closed_or_open: Any) -> tuple[Any, list]:
 
 
 def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset(),
-          compiler: str = "") -> tuple[OpGraph, Any, Any]:
+          compiler: str = "", jaxpr: tuple[Any, Any] | None = None) -> tuple[OpGraph, Any, Any]:
     """Trace `fn(*args)` into an OpGraph; `donated`: the flat input indices the caller donates;
-    `compiler`: the platform that compiles it (OpGraph.compiler).
+    `compiler`: the platform that compiles it (OpGraph.compiler); `jaxpr`: its closed jaxpr
+    and output shapes where the caller has them already.
 
     Returns the graph, the treedef of the arguments and the output shapes (a pytree of
     ShapeDtypeStruct).
     """
     names = argument_names(fn, len(args))
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    closed, out_shape = jaxpr or jax.make_jaxpr(fn, return_shape=True)(*args)
     b = _Builder()
     in_paths = [p for name, a in zip(names, args) for p in leaf_paths(a, name)]
     inputs = [b.tensor(v.aval, path) for v, path in zip(closed.jaxpr.invars, in_paths)]
