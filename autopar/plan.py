@@ -214,6 +214,8 @@ class Plan:
                          f"communication {c['communication_s'] * 1e3:.3f} ms, total "
                          f"{c['total_s'] * 1e3:.3f} ms; peak memory "
                          f"{c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
+        if "lower_bound" in self.search_stats and "objective_s" in self.search_stats:
+            lines.append(bound_line(self.search, self.search_stats))
         if {"at_peak", "where"} <= set(self.memory):
             m = self.memory
             kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"
@@ -327,6 +329,21 @@ def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
         groups[(layer_key(t.path), t.shape, t.dtype, t.spec, t.bytes_per_device)].append(t)
     return [(pattern, members[0]) for members in groups.values()
             for pattern in collapse([t.path for t in members])]
+
+
+def bound_line(search: str, stats: dict[str, Any]) -> str:
+    """How far from the cost model's optimum the search's plan can be, as its bound proves."""
+    gap = max(float(stats.get("gap", 0.0)), 0.0)
+    among = (f" among {stats['exact_for']}" if stats.get("exact_for") not in (None, "all plans")
+             else "")
+    priced = (" (the objective with memory priced at "
+              f"{stats['memory_price_s_per_byte']:.3g} s/byte)"
+              if stats.get("memory_price_s_per_byte") else "")
+    if stats.get("exact"):
+        return f"search: {search}, proven optimal under the cost model{among}"
+    return (f"search: {search}, within {gap:.2%} of the cost model's optimum{among}{priced}: "
+            f"objective {stats['objective_s'] * 1e3:.3f} ms, lower bound "
+            f"{stats['lower_bound'] * 1e3:.3f} ms")
 
 
 def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int = 1) -> str:

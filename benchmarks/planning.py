@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
 import models
+from benchmarks import restart
 
 # jax.monitoring's event for XLA's backend compile (jax/_src/dispatch.py)
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -133,7 +134,7 @@ def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: in
                 rows.append(row)
     first_calls = [first_call_case(b, hardware=hw) for hw in (None, "h100")
                    for b in ("dynamic_programming", "recursive_programming")]
-    return {"planning": rows, "first_call": first_calls}
+    return {"planning": rows, "first_call": first_calls, "restart": restart.run(log)}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -182,12 +183,14 @@ def markdown(result: dict[str, Any]) -> str:
               "the step out as the data-parallel jit does. The control is `jax.jit` given "
               "autopar's input shardings, XLA propagating the rest: what the layout alone "
               "costs.", "",
+              "`autopar's share` is the first call's time outside XLA's compile: trace, "
+              "search, lowering and placement.", "",
               "| search | profile | data-parallel layout | devices | autopar first call s | "
               "of which trace s | of which search s | of which XLA compile s | "
               "jax.jit first call s | of which XLA compile s | ratio | ratio without XLA compile "
               "| jax.jit in autopar's layout: first call s | of which XLA compile s | "
-              "ratio to it |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "ratio to it | autopar's share |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in result["first_call"]:
         lines.append(f"| {o['search']} | {o.get('hardware', '')} | "
                      f"{'yes' if o.get('data_parallel_layout') else 'no'} | {o['devices']} | "
@@ -196,5 +199,8 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{o['jit_first_call_s']:.2f} | {o['jit_compile_s']:.2f} | "
                      f"{o['ratio']:.2f} | {o['ratio_without_compile']:.2f} | "
                      f"{o['same_layout_jit_first_call_s']:.2f} | "
-                     f"{o['same_layout_jit_compile_s']:.2f} | {o['ratio_to_same_layout']:.2f} |")
+                     f"{o['same_layout_jit_compile_s']:.2f} | {o['ratio_to_same_layout']:.2f} | "
+                     f"{1 - o['autopar_compile_s'] / o['autopar_first_call_s']:.0%} |")
+    if result.get("restart"):
+        lines += ["", restart.markdown(result["restart"])]
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
 from . import sharding_propagation as sharding_propagation  # noqa: E402
 from .bounded import lower_bound, solve_bounded
+from .dual import REACHED, dual_bound
 from .constrained import solve_constrained
 from .brute_force import solve_brute_force
 from .width import largest_table
@@ -33,6 +34,8 @@ __all__ = [
     "ALGORITHMS",
     "CostGraph",
     "CostGraphBuilder",
+    "dual_bound",
+    "REACHED",
     "InfeasibleError",
     "largest_table",
     "lower_bound",

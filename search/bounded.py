@@ -55,7 +55,7 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
     """A plan with a proven lower bound: mini-bucket elimination, then coordinate descent."""
     start = time.perf_counter()
     n = graph.num_nodes()
-    size, self_cost, pair = _factors(graph)
+    size, self_cost, pair = factor_tables(graph)
     bound, records, splits = _mini_buckets(graph, size, self_cost, pair, max_factor_size)
     choice = np.zeros(n, dtype=np.int64)
     for x, bucket in reversed(records):
@@ -80,11 +80,11 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
 def lower_bound(graph: CostGraph, max_factor_size: float = 1e4) -> float:
     """A lower bound on the optimum of `graph`, by mini-bucket elimination alone: for a
     search that gives no bound of its own. Smaller tables are faster and the bound weaker."""
-    size, self_cost, pair = _factors(graph)
+    size, self_cost, pair = factor_tables(graph)
     return _mini_buckets(graph, size, self_cost, pair, max_factor_size)[0]
 
 
-def _factors(graph: CostGraph) -> tuple[dict[int, int], list[np.ndarray],
+def factor_tables(graph: CostGraph) -> tuple[dict[int, int], list[np.ndarray],
                                         dict[tuple[int, int], np.ndarray]]:
     """Strategies per node, each node's own costs (its self-edges included), and the
     pairwise tables summed per pair of nodes."""

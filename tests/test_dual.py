@@ -1,0 +1,89 @@
+"""The dual bound (min-sum diffusion): never above the optimum, whatever the graph, forbidden
+strategies, self-edges or warm start; equal to it where the LP relaxation is tight (trees);
+and in the planner, a bound and gap with every plan of both searches. No JAX in the first
+part."""
+import itertools
+
+import numpy as np
+import pytest
+
+from autopar_search import REACHED, CostGraph, dual_bound, solve
+from test_bounded import random_graph
+
+
+def with_forbidden(rng, g):
+    """`g` with some strategies forbidden (inf), never all of a node's."""
+    costs = [np.where(rng.random(len(c)) < 0.2, np.inf, c) for c in g.node_costs]
+    for c, old in zip(costs, g.node_costs):
+        if np.isinf(c).all():
+            c[0] = old[0]
+    edges = [(u, v, np.where(rng.random(m.shape) < 0.1, np.inf, m)) for u, v, m in g.edges]
+    edges += [(0, 0, rng.random((len(costs[0]), len(costs[0]))))]  # a self-edge: its diagonal
+    return CostGraph(tuple(costs), tuple(edges))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_bound_never_exceeds_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    g = random_graph(rng, int(rng.integers(2, 8)), 5, 0.7)
+    if seed % 2:
+        g = with_forbidden(rng, g)
+    try:
+        best = solve(g, "brute_force").cost
+    except ValueError:  # every assignment forbidden
+        return
+    bound, stats, _ = dual_bound(g, seconds=5)
+    assert bound <= best + 1e-9 * abs(best), (bound, best, stats)
+    # a target stops it once reached: never beyond the optimum either
+    stopped, stats, _ = dual_bound(g, target=best, seconds=5)
+    assert stopped <= best + 1e-9 * abs(best)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bound_is_the_optimum_on_a_tree(seed):
+    """On a tree the LP relaxation is tight, and diffusion reaches the optimum."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    costs = [rng.random(int(rng.integers(1, 5))) for _ in range(n)]
+    edges = [(int(rng.integers(0, v)), v, None) for v in range(1, n)]
+    edges = [(u, v, rng.random((len(costs[u]), len(costs[v])))) for u, v, _ in edges]
+    g = CostGraph(tuple(costs), tuple(edges))
+    best = solve(g, "brute_force").cost
+    bound, stats, _ = dual_bound(g, target=best, seconds=5, max_sweeps=5000, stall=0)
+    assert bound == pytest.approx(best, rel=1e-7), stats
+    assert stats["dual_stop"] == "reached the plan's cost" or bound >= best * (1 - REACHED)
+
+
+def test_warm_start_at_other_node_costs_stays_a_bound():
+    """A search at another memory price starts from the last reparametrisation: still a
+    bound of the new costs, and no more sweeps than from scratch."""
+    rng = np.random.default_rng(7)
+    g = random_graph(rng, 7, 5, 0.8)
+    _, _, reached = dual_bound(g, seconds=5)
+    for scale in (0.5, 3.0):
+        priced = g.with_node_costs([c * scale + rng.random(len(c)) for c in g.node_costs])
+        best = solve(priced, "brute_force").cost
+        warm, warm_stats, _ = dual_bound(priced, seconds=5, start=reached)
+        cold, cold_stats, _ = dual_bound(priced, seconds=5)
+        assert warm <= best + 1e-9 and cold <= best + 1e-9
+        assert warm == pytest.approx(cold, rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("search", ["dynamic_programming", "recursive_programming"])
+def test_every_plan_carries_a_bound_and_its_gap(search):
+    """Both searches report a lower bound at most the plan's objective, the gap between,
+    and claim exact only where the gap is nil, on meshes where no search is exact by itself."""
+    import autopar
+    import models
+    step, state, batch = models.gpt_abstract(batch=64, seq=128, vocab=1024, d_model=256,
+                                             heads=4, layers=2)
+    plan = autopar.plan(step, state, batch, mesh={"data": 2, "model": 2, "inner": 2},
+                        search=search, hardware="h100")
+    stats = plan.search_stats
+    assert 0 < stats["lower_bound"] <= stats["objective_s"] * (1 + 1e-9)
+    assert stats["gap"] == pytest.approx(
+        max(0.0, 1 - stats["lower_bound"] / stats["objective_s"]), abs=1e-12)
+    assert stats["exact"] == (stats["gap"] <= REACHED and stats["exact_for"] == "all plans")
+    line = next(x for x in plan.summary().splitlines() if x.startswith("search:"))
+    assert ("proven optimal" in line) if stats["exact"] else (f"{stats['gap']:.2%}" in line)
