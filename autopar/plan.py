@@ -214,8 +214,10 @@ class Plan:
                          f"communication {c['communication_s'] * 1e3:.3f} ms, total "
                          f"{c['total_s'] * 1e3:.3f} ms; peak memory "
                          f"{c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
-        if "lower_bound" in self.search_stats and "objective_s" in self.search_stats:
+        if {"lower_bound", "objective_s"} <= set(self.search_stats):
             lines.append(bound_line(self.search, self.search_stats))
+        elif str(self.search_stats.get("bound", "")).startswith("none"):
+            lines.append(f"search: {self.search}, no bound ({self.search_stats['bound']})")
         if {"at_peak", "where"} <= set(self.memory):
             m = self.memory
             kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
 import models
-from benchmarks import restart
+from benchmarks import planning_targets, restart
 
 # jax.monitoring's event for XLA's backend compile (jax/_src/dispatch.py)
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -134,7 +134,8 @@ def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: in
                 rows.append(row)
     first_calls = [first_call_case(b, hardware=hw) for hw in (None, "h100")
                    for b in ("dynamic_programming", "recursive_programming")]
-    return {"planning": rows, "first_call": first_calls, "restart": restart.run(log)}
+    return {"planning": rows, "first_call": first_calls, "restart": restart.run(log),
+            "targets": planning_targets.run(log)}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -203,4 +204,6 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{1 - o['autopar_compile_s'] / o['autopar_first_call_s']:.0%} |")
     if result.get("restart"):
         lines += ["", restart.markdown(result["restart"])]
+    if result.get("targets"):
+        lines += ["", planning_targets.markdown(result["targets"])]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from autopar.cost.hardware import Hardware
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions
-from autopar.planning.axes import (adjacent_pairs, merged_within, paired_within,
+from autopar.planning.axes import (adjacent_pairs, axis_order, merged_within, paired_within,
                                    rounds_within, solve_recursive)
 from autopar.planning.problem import (Problem, Unit, build_problem, kept_problem,
                                       make_units, untied_node_count)
@@ -37,11 +37,17 @@ PROOF_GAP = 1e-3
 # one, so that `exact` holds for the step as written; above it, the search keeps the period-2
 # ties of repeated layers (docs/decisions.md, "Repeated layers tie two apart").
 UNTIED_NODE_LIMIT = 400
-# Seconds the dual bound (search.dual_bound) may take per search where no search proves its
-# plan; a search at another memory price starts where the last stopped. 12-layer GPTs at
-# d_model 2048 (h100): on 64 devices it converges in 0.14 s to within 0.36% of the plan, on
-# 1,024 it is within 9% after 0.5 s and 4.6% after 2 s, where mini-buckets stay 77% away.
-DUAL_SECONDS = 0.5
+# The dual bound (search.dual_bound), where no search proves its plan, may take as long as
+# the search took, within these seconds; a search at another memory price starts where the
+# last stopped. Its bound rises fast, then slowly: 12-layer GPTs at d_model 2048 (h100) on 64
+# devices converge in 0.14 s to within 0.36% of the plan; on 1,024 they are within 9% after
+# 0.5 s and 4.6% after 2 s, where mini-buckets stay 77% away.
+DUAL_SECONDS = (0.05, 1.0)
+# Mesh axes (of more than one device) up to which recursive_programming builds the whole
+# space's problem for its bound. With three, building it outweighs the search: Llama-3-8B
+# (nn.scan) on 8x4x8 planned in 0.7 s without the bound and 6.0 s with it; on 16x16, 0.7 s
+# with it.
+RECURSIVE_BOUND_AXES = 2
 
 
 def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
@@ -91,8 +97,11 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         space = extra.pop("space")
         if extra["rounds"] == extra["exact_rounds"] == 1:  # one exact round: the optimum
             extra.update(exact=True, lower_bound=float(solution.cost), gap=0.0)
-        else:  # the bound of the whole space, which the rounds cut up
-            extra.update(_bounded(full(), solution.cost, problems))
+        elif len(axis_order(mesh)) <= RECURSIVE_BOUND_AXES:  # the whole space's bound
+            extra.update(_bounded(full(), solution.cost, problems, time.perf_counter() - t0))
+        else:
+            extra["bound"] = (f"none: the whole space of {len(axis_order(mesh))} mesh axes "
+                              "is slow to build; dynamic_programming bounds it")
     elif algorithm == "sharding_propagation":
         if not pinned:
             raise AutoparError(
@@ -102,7 +111,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
                 "search='dynamic_programming'.")
         problem, solution = _propagate(full(), pinned)
         space = "propagation from the annotations"
-        extra = _bounded(problem, solution.cost, problems)  # among plans keeping the pins
+        extra = _bounded(problem, solution.cost, problems,  # among plans keeping the pins
+                         time.perf_counter() - t0)
     else:
         untied = _untied(graph, mesh, hw, pinned, units, problems, memory_weight)
         problem = untied or full()
@@ -115,7 +125,7 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
                 memo=problems)).priced(graph, mesh, memory_weight)
             problem, solution, space = _best_within_bound(problem, narrow, mesh)
             if not solution.stats["exact"]:
-                dual = _bounded(problem, solution.cost, problems)
+                dual = _bounded(problem, solution.cost, problems, time.perf_counter() - t0)
                 if dual["lower_bound"] > solution.stats["lower_bound"]:
                     solution.stats.update(dual)
     t1 = time.perf_counter()
@@ -128,15 +138,17 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
     return _decisions(problem, solution, graph), stats
 
 
-def _bounded(problem: Problem, cost: float, problems: dict | None) -> dict[str, Any]:
-    """The dual bound of `problem` against a plan of `cost`: lower_bound, gap, exact. Where
-    `problems` kept where the last bound of these edges (at another price) stopped, it starts
-    there."""
+def _bounded(problem: Problem, cost: float, problems: dict | None, searched_s: float
+             ) -> dict[str, Any]:
+    """The dual bound of `problem` against a plan of `cost` found in `searched_s` seconds:
+    lower_bound, gap, exact. Where `problems` kept where the last bound of these edges (at
+    another price) stopped, it starts there."""
     edges = problem.graph.edges  # shared by the problem at every price (with_node_costs)
     kept = problems.get("dual") if problems is not None else None
     start = kept[1] if kept is not None and kept[0] is edges else None
-    bound, stats, reached = search.dual_bound(problem.graph, target=cost,
-                                              seconds=DUAL_SECONDS, start=start)
+    seconds = min(max(searched_s, DUAL_SECONDS[0]), DUAL_SECONDS[1])
+    bound, stats, reached = search.dual_bound(problem.graph, target=cost, seconds=seconds,
+                                              start=start)
     if problems is not None:
         problems["dual"] = (edges, reached)
     gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0

@@ -1,0 +1,59 @@
+"""Planning a Llama-3-8B-class train step for 256 chips: time, plan and bound per search.
+
+The decoder of `tpu_models.llama("llama3-8b")` (32 layers, d_model 4096, grouped-query
+attention, SwiGLU, vocabulary 128,256, adamw; batch 256 of 4,096 tokens) with its layers as
+one `nn.scan` and as a Python loop, planned for the tpu_v5p profile under 95 GiB per chip on
+a 2-D (16 x 16) and a 3-D (8 x 4 x 8) abstract mesh. Targets: dynamic_programming within 10 s
+and recursive_programming within 5 s.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import autopar
+from benchmarks import tpu_models
+
+MESHES = {"16x16": {"data": 16, "model": 16}, "8x4x8": {"data": 8, "fsdp": 4, "model": 8}}
+SEARCHES = ("recursive_programming", "dynamic_programming")
+TARGET_S = {"dynamic_programming": 10.0, "recursive_programming": 5.0}
+
+
+def case(form: str, mesh: str, search: str) -> dict[str, Any]:
+    w = tpu_models.llama("llama3-8b", batch=256, seq=4096, scan_layers=form == "nn.scan")
+    t0 = time.perf_counter()
+    plan = autopar.plan(w.step, w.state, w.batch, mesh=MESHES[mesh], search=search,
+                        hardware="tpu_v5p", memory_limit="95GiB")
+    total = time.perf_counter() - t0
+    s = plan.search_stats
+    return {"form": form, "mesh": mesh, "search": search, "total_s": total,
+            "trace_s": s["trace_s"], "searches": s.get("memory_solves", 1),
+            "ops": s["ops"], "plan_ms": plan.cost["total_s"] * 1e3,
+            "peak_gib": plan.cost["peak_memory_bytes"] / 2**30,
+            "gap": s.get("gap"), "exact": s.get("exact"), "bound": s.get("bound", "")}
+
+
+def run(log: Any = print) -> list[dict[str, Any]]:
+    rows = []
+    for form in ("nn.scan", "Python loop"):
+        for mesh in MESHES:
+            for search in SEARCHES:
+                rows.append(row := case(form, mesh, search))
+                log(f"  {form:11s} {mesh:6s} {search:22s} {row['total_s']:6.1f} s, "
+                    f"plan {row['plan_ms']:.1f} ms, gap {row['gap']}")
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["## Llama-3-8B class on 256 chips", "", __doc__.split("\n\n", 1)[1].strip(), "",
+             "| layers | mesh | search | total s | within target | trace s | searches | ops | "
+             "plan ms/step | peak GiB | gap to the bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = ("0 (proven)" if r["exact"] else f"{r['gap']:.2%}" if r["gap"] is not None
+               else r["bound"] or "none")
+        within = "yes" if r["total_s"] <= TARGET_S[r["search"]] else "no"
+        lines.append(f"| {r['form']} | {r['mesh']} | {r['search']} | {r['total_s']:.1f} | "
+                     f"{within} | {r['trace_s']:.1f} | {r['searches']} | {r['ops']} | "
+                     f"{r['plan_ms']:.1f} | {r['peak_gib']:.1f} | {gap} |")
+    return "\n".join(lines)
