@@ -16,6 +16,7 @@ from autopar.mesh import make_mesh
 from autopar.preemption import Preemption
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.plan_cache import plan_cache_dir, set_plan_cache_dir
+from autopar.plan_diff import PlanDiff, diff
 from autopar.schedule.stored import Placed, unpack
 from autopar.trace.shard import shard
 
@@ -24,5 +25,5 @@ __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "
            "MemoryLimitError", "Evaluation", "evaluate", "AutoparWarning", "make_mesh",
            "OpDecision", "Plan", "Redistribution", "TensorPlan", "load_plan", "save_checkpoint",
            "restore_checkpoint", "checkpoint_plan", "latest_checkpoint", "wait_for_checkpoints",
-           "Preemption", "set_plan_cache_dir", "plan_cache_dir", "process_rows", "global_batch", "is_main_process", "Placed", "unpack"]
+           "Preemption", "diff", "PlanDiff", "set_plan_cache_dir", "plan_cache_dir", "process_rows", "global_batch", "is_main_process", "Placed", "unpack"]
 __version__ = "0.1.0"

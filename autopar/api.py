@@ -9,9 +9,9 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.applying import applied
 from autopar import progress
-from autopar.calling import Call, Conventions, _name, place, shape_and_dtype
+from autopar.applying import applied
+from autopar.calling import Call, Conventions, function_name, place, shape_and_dtype
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware
 from autopar.devices import (check_runnable, compiler_platform, mesh_profile,
@@ -34,6 +34,7 @@ from autopar.schedule.microbatches import check_microbatches
 from autopar.schedule.storable import Storage
 from autopar.schedule.stored import placed_outputs, stored_inputs
 from autopar.trace.ir import OpGraph
+
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",
          hardware: str | Hardware | None = None, annotations: Annotations = None,
@@ -89,7 +90,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
             return planned_schedule(call, microbatches, batch_argnums, traced, shape, limit,
                                     pipeline, pipeline_repeats)[2]
 
-    with progress.task(f"planning {_name(fn)}"):
+    with progress.task(f"planning {function_name(fn)}"):
         return through_cache("plan", call, options, platform, apply, searched, lambda p: p)
 
 
@@ -255,7 +256,7 @@ class AutoParallel:
         if key not in self._cache:
             # several processes: each plans the same program, or all stop here (distributed.py)
             agree("the step's call", call_items(call, self._options()))
-            with young_objects_only(), progress.task(f"planning {_name(self.fn)}"):
+            with young_objects_only(), progress.task(f"planning {function_name(self.fn)}"):
                 self._cache[key] = made = self._make(call)
             agree("the plan made from that call", decisions_items(made.decisions))
         return self._cache[key]
@@ -342,7 +343,7 @@ class AutoParallel:
         if key in self._called:
             outs = made.jitted(*placed)
         else:  # the first call traces the planned program and compiles it
-            with young_objects_only(), progress.task(f"compiling {_name(self.fn)}"):
+            with young_objects_only(), progress.task(f"compiling {function_name(self.fn)}"):
                 progress.update("stage", "XLA compiling the sharded step")
                 outs = made.jitted(*placed)
             self._called.add(key)

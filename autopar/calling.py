@@ -39,7 +39,7 @@ class Conventions:
         donate = _argnums(fn, "donate", donate_argnums, donate_argnames)
         both = sorted(static[0] & donate[0]) + sorted(static[1] & donate[1])
         if both:
-            raise AutoparError(f"arguments {both} of {_name(fn)} are both static and donated; "
+            raise AutoparError(f"arguments {both} of {function_name(fn)} are both static and donated; "
                                "a static argument is a Python value with no buffer to donate. "
                                "Fix: drop them from static_argnums/static_argnames or from "
                                "donate_argnums/donate_argnames.")
@@ -67,7 +67,7 @@ def _argnums(fn: Callable, option: str, argnums: Any, argnames: Any
     keywords.update({p.name: None for p in params if p.kind == p.KEYWORD_ONLY})
     unknown = [n for n in names if n not in keywords]
     if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
-        raise AutoparError(f"{option}_argnames names {unknown}, which {_name(fn)} does not take "
+        raise AutoparError(f"{option}_argnames names {unknown}, which {function_name(fn)} does not take "
                            f"by keyword (its parameters: {[p.name for p in params]}). Fix: name "
                            f"its parameters, or use {option}_argnums for positions.")
     nums += tuple(keywords[n] for n in names if keywords.get(n) is not None)
@@ -135,7 +135,7 @@ class Call:
         if not scalars:
             return error
         return AutoparError(
-            f"{_name(self.fn)}{_where(self.fn, error)} uses the value of an argument that "
+            f"{function_name(self.fn)}{_where(self.fn, error)} uses the value of an argument that "
             f"autopar traces, as jax.jit does ({type(error).__name__}); it was passed the "
             f"Python value(s) "
             f"{', '.join(repr(n) for n in scalars)}. Fix: mark them static, "
@@ -169,7 +169,7 @@ class Call:
                         f"{type(leaf).__name__} ({_short(leaf)}), which JAX cannot trace: "
                         f"only arrays and numbers can be. Fix: auto_parallel(..., {option}) "
                         f"bakes it into the trace, one plan per value, as jax.jit{inside}")
-        collect_errors(problems, f"{_name(self.fn)} got arguments autopar cannot take:")
+        collect_errors(problems, f"{function_name(self.fn)} got arguments autopar cannot take:")
 
     def key(self) -> Any:
         """The cache key: what a plan and its executable depend on."""
@@ -203,7 +203,7 @@ class Call:
             if where not in self.slots:
                 raise AutoparError(
                     f"{option}={argnums!r} names positional argument {i}, and this call of "
-                    f"{_name(self.fn)} has {self.positional} positional argument(s), of which "
+                    f"{function_name(self.fn)} has {self.positional} positional argument(s), of which "
                     f"{sorted(w for w in self.slots if isinstance(w, int))} are traced. Fix: "
                     f"name the batch's position among the traced positional arguments.")
             out.append(self.slots.index(where))
@@ -233,7 +233,7 @@ class Call:
             except jax.errors.ConcretizationTypeError as e:  # a bool(tracer) among them
                 raise self._needs_static(e) from e
 
-        step.__name__ = step.__qualname__ = _name(fn)
+        step.__name__ = step.__qualname__ = function_name(fn)
         step.__wrapped__ = fn  # type: ignore[attr-defined]  # JAX's messages name fn's source
         step.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
@@ -283,7 +283,7 @@ def _where(fn: Callable, error: Exception) -> str:
     return f" ({code.co_filename}:{line})" if line is not None else ""
 
 
-def _name(fn: Callable) -> str:
+def function_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
@@ -330,7 +330,7 @@ def _check_alive(call: Call, leaves: Sequence[Any]) -> None:
     if gone:
         paths = [call.paths[k] for k in gone]
         raise AutoparError(
-            f"{len(gone)} argument array(s) of {_name(call.fn)} were deleted, e.g. "
+            f"{len(gone)} argument array(s) of {function_name(call.fn)} were deleted, e.g. "
             f"{paths[:3]}: an earlier call donated them (donate_argnums / donate_argnames), "
             "or they were deleted by hand. Fix: pass the state that call returned, or copy "
             "the arrays before a call that donates them.")

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from autopar import progress
-from autopar.calling import Call
+from autopar.calling import Call, function_name
 from autopar.errors import AutoparError, AutoparWarning
 from autopar.plan import Plan
 
@@ -37,8 +37,8 @@ _directory: list[str | None] = [None]  # set_plan_cache_dir's value, over the en
 
 def set_plan_cache_dir(path: str | os.PathLike | None) -> None:
     """Keep searched plans in `path` (created where missing) and apply them, rather than
-    search again, when the same step is planned with the same options; None turns the cache
-    off (the AUTOPAR_PLAN_CACHE_DIR environment variable, where set, still applies)."""
+    search again, when the same step is planned with the same options. None: back to the
+    AUTOPAR_PLAN_CACHE_DIR environment variable, no cache where it is unset."""
     _directory[0] = None if path is None else os.fspath(path)
 
 
@@ -64,7 +64,7 @@ def through_cache(kind: str, call: Call, options: dict[str, Any], platform: str,
             _stale(key, e)
         else:
             progress.logger.debug("the plan of %s read from the plan cache: %s",
-                                  getattr(call.fn, "__name__", "the step"), _entry(key))
+                                  function_name(call.fn), _entry(key))
             return made
     made = search()
     _store_plan(key, plan_of(made))
