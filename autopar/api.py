@@ -371,6 +371,26 @@ class AutoParallel:
         return (tuple(by_slot.get(i) for i in range(len(args))),
                 {name: by_slot.get(name) for name in kwargs})
 
+    def init(self, init_fn: Callable, *init_args: Any, step_args: Sequence[Any] = (),
+             state_argnum: int = 0) -> Any:
+        """`init_fn(*init_args)` (a model's parameters and optimizer state, say) computed on
+        the mesh, its result created already sharded as the plan wants the step's argument
+        `state_argnum`: no device ever holds all of it. `step_args`: the step's other
+        positional arguments (arrays or ShapeDtypeStructs: the batch), without the state.
+        The step is planned for the state's shapes (jax.eval_shape of init_fn), and the first
+        call with that state runs the plan made here."""
+        state = jax.eval_shape(init_fn, *init_args)
+        args = list(step_args)
+        if not 0 <= state_argnum <= len(args):
+            raise AutoparError(f"init: state_argnum={state_argnum} with {len(args)} other "
+                               f"step argument(s) in step_args. Fix: state_argnum is the "
+                               f"state's position among the step's {len(args) + 1} "
+                               "positional arguments.")
+        args.insert(state_argnum, state)
+        shardings = self.input_shardings(*args)[0][state_argnum]
+        with young_objects_only():
+            return jax.jit(init_fn, out_shardings=shardings)(*init_args)
+
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStruct); nothing is run."""
         return self._compiled(self._call(args, kwargs)).plan
