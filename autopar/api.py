@@ -18,6 +18,7 @@ from autopar.devices import (check_runnable, compiler_platform, mesh_profile,
                              resolve_memory_limit)
 from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
+from autopar.explain import explainable
 from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
@@ -91,7 +92,13 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
                                     pipeline, pipeline_repeats)[2]
 
     with progress.task(f"planning {function_name(fn)}"):
-        return through_cache("plan", call, options, platform, apply, searched, lambda p: p)
+        made = through_cache("plan", call, options, platform, apply, searched, lambda p: p)
+
+    return explainable(made, plan, fn, args, annotations, dict(
+        mesh=mesh, search=search, hardware=hardware, memory_limit=limit,
+        static_argnums=static_argnums, static_argnames=static_argnames,
+        donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+        batch_argnums=batch_argnums, keep_placement=keep_placement))
 
 
 def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dynamic_programming",
@@ -393,7 +400,16 @@ class AutoParallel:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStruct); nothing is run."""
-        return self._compiled(self._call(args, kwargs)).plan
+        made = self._compiled(self._call(args, kwargs)).plan
+        if kwargs:  # autopar.plan takes positional arguments: no explaining by search
+            return made
+        c = self.conventions
+        return explainable(made, plan, self.fn, args, self.annotations, dict(
+            mesh=dict(made.mesh), search=self.search, hardware=self.hw,
+            memory_limit=self.memory_limit, static_argnums=tuple(c.static_nums),
+            static_argnames=tuple(c.static_names), donate_argnums=tuple(c.donate_nums),
+            donate_argnames=tuple(c.donate_names), batch_argnums=self.batch_argnums,
+            keep_placement=self.keep_placement))
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jax AOT Lowered object of the sharded step: .compile(), .as_text()."""

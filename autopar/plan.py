@@ -165,6 +165,8 @@ class Plan:
     pipeline: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     # the decisions read from compact JSON; empty where `ops` holds every operator
     decided: tuple[Decision | Repeat, ...] = field(default=(), compare=False, hash=False)
+    # how to search again with inputs pinned (explain.Replanner); None for a plan from JSON
+    replanner: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
@@ -262,6 +264,15 @@ class Plan:
                          "the costliest:")
             lines += [f"  {r.describe()}" for r in sorted(rest, key=lambda r: -r.cost_s)[:3]]
         return "\n".join(lines)
+
+    def explain(self, path: str, alternatives: int = 6) -> Any:
+        """Why input `path` has its spec (autopar.explain.Explanation; print it): its bytes,
+        its reshardings, then up to `alternatives` other specs, each with the step planned
+        again around it (its time and memory, or that it does not fit memory_limit and its
+        time without), and what decided: an annotation, the memory limit, the cost model, or
+        a search that missed a faster plan. One search per alternative."""
+        from autopar.explain import explain
+        return explain(self, path, self.replanner, alternatives)
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_json(self, detail: bool = False) -> str:
