@@ -164,6 +164,10 @@ class Call:
                               f"static_argnames={where!r}")
                     inside = (" (the whole argument becomes static, so it must be hashable), "
                               "or take this value out of the pytree" if keys else "")
+                    if keys and callable(leaf):  # an Equinox module's activation, say
+                        inside += (" (an Equinox module: pass eqx.filter(model, eqx.is_array) "
+                                   "and eqx.combine it with the rest inside the step, "
+                                   "examples/equinox_mlp.py)")
                     problems.append(
                         f"{_which(where, name)}, at path {path!r}, has type "
                         f"{type(leaf).__name__} ({_short(leaf)}), which JAX cannot trace: "
