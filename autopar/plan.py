@@ -40,7 +40,7 @@ class Decisions:
 
 
 # search_stats' wall-clock entries, left out of the JSON and of equality
-WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s"})
+WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s", "dual_s"})
 PRICED = {"compute_s", "communication_s", "total_s", "peak_memory_bytes"}  # a cost's parts
 
 

@@ -32,10 +32,10 @@ def test_bound_never_exceeds_the_optimum(seed):
         best = solve(g, "brute_force").cost
     except ValueError:  # every assignment forbidden
         return
-    bound, stats, _ = dual_bound(g, seconds=5)
+    bound, stats, _ = dual_bound(g, work=1e12)
     assert bound <= best + 1e-9 * abs(best), (bound, best, stats)
     # a target stops it once reached: never beyond the optimum either
-    stopped, stats, _ = dual_bound(g, target=best, seconds=5)
+    stopped, stats, _ = dual_bound(g, target=best, work=1e12)
     assert stopped <= best + 1e-9 * abs(best)
 
 
@@ -49,7 +49,7 @@ def test_bound_is_the_optimum_on_a_tree(seed):
     edges = [(u, v, rng.random((len(costs[u]), len(costs[v])))) for u, v, _ in edges]
     g = CostGraph(tuple(costs), tuple(edges))
     best = solve(g, "brute_force").cost
-    bound, stats, _ = dual_bound(g, target=best, seconds=5, max_sweeps=5000, stall=0)
+    bound, stats, _ = dual_bound(g, target=best, work=1e12, max_sweeps=5000, stall=0)
     assert bound == pytest.approx(best, rel=1e-7), stats
     assert stats["dual_stop"] == "reached the plan's cost" or bound >= best * (1 - REACHED)
 
@@ -59,12 +59,12 @@ def test_warm_start_at_other_node_costs_stays_a_bound():
     bound of the new costs, and no more sweeps than from scratch."""
     rng = np.random.default_rng(7)
     g = random_graph(rng, 7, 5, 0.8)
-    _, _, reached = dual_bound(g, seconds=5)
+    _, _, reached = dual_bound(g, work=1e12)
     for scale in (0.5, 3.0):
         priced = g.with_node_costs([c * scale + rng.random(len(c)) for c in g.node_costs])
         best = solve(priced, "brute_force").cost
-        warm, warm_stats, _ = dual_bound(priced, seconds=5, start=reached)
-        cold, cold_stats, _ = dual_bound(priced, seconds=5)
+        warm, warm_stats, _ = dual_bound(priced, work=1e12, start=reached)
+        cold, cold_stats, _ = dual_bound(priced, work=1e12)
         assert warm <= best + 1e-9 and cold <= best + 1e-9
         assert warm == pytest.approx(cold, rel=1e-3, abs=1e-6)
 
@@ -94,3 +94,19 @@ def test_every_plan_says_how_far_from_optimal_it_can_be(search, mesh):
         max(0.0, 1 - stats["lower_bound"] / stats["objective_s"]), abs=1e-12)
     assert stats["exact"] == (stats["gap"] <= REACHED and stats["exact_for"] == "all plans")
     assert ("proven optimal" in line) if stats["exact"] else (f"{stats['gap']:.2%}" in line)
+
+
+def test_the_bound_is_computed_once_a_plan_not_once_a_memory_round(monkeypatch):
+    import autopar
+    import autopar_search
+    import models
+    calls = []
+    real = autopar_search.dual_bound
+    monkeypatch.setattr(autopar_search, "dual_bound",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    step, state, batch = models.mlp_setup()
+    plan = autopar.plan(step, state, batch, mesh={"data": 2, "model": 4}, memory_limit=60_000,
+                        search="recursive_programming")
+    assert plan.search_stats["memory_solves"] > 1 and calls == [1]
+    assert plan.search_stats["lower_bound"] <= plan.search_stats["objective_s"]
+    assert not plan.search_stats["exact"]  # a memory price: not the fastest fitting, proven

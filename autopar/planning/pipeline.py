@@ -22,7 +22,7 @@ from autopar.planning.assemble import Candidate, assemble, pipeline_detail, tall
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.problem import Unit, make_units
-from autopar.planning.solve import exactness, solve
+from autopar.planning.solve import exactness, solve, with_dual_bound
 from autopar.rules.factors import Spec
 from autopar.schedule.lanes import Lanes, traced_lanes
 from autopar.schedule.storable import Storage, storage
@@ -116,11 +116,12 @@ class Planning:
         prove = self.prove and self.search == "dynamic_programming"
         best = None
         first_error = fit_error = None
+        pins = {}
         for n, shape in enumerate(shapes, 1):
             progress.update("mesh", f"mesh {dict(zip(shape.names, shape.sizes))}" +
                             (f" ({n} of {len(shapes)})" if len(shapes) > 1 else ""))
             try:
-                pinned = resolve_annotations(self.graph, shape, self.annotations)
+                pinned = pins[shape] = resolve_annotations(self.graph, shape, self.annotations)
             except AutoparError as e:  # a candidate mesh without the annotated axes
                 first_error = first_error or e
                 continue
@@ -136,7 +137,10 @@ class Planning:
         if best is None:
             raise fit_error or first_error
         shape, chosen = best
-        chosen = dataclasses.replace(chosen, stats=exactness(chosen.stats))
+        progress.update("stage", "bounding the plan's distance from the optimum")
+        stats = with_dual_bound(self.graph, shape, self.hw, self.search, pins[shape],
+                                self.units, self.problems.setdefault(shape, {}), chosen.stats)
+        chosen = dataclasses.replace(chosen, stats=exactness(stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.plan_out_tree, memory_limit, self.buffers)
         plan = dataclasses.replace(

@@ -1,6 +1,7 @@
 """Planning: trace, build the problem, search, and assemble the Plan with its costs."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -37,12 +38,15 @@ PROOF_GAP = 1e-3
 # one, so that `exact` holds for the step as written; above it, the search keeps the period-2
 # ties of repeated layers (docs/decisions.md, "Repeated layers tie two apart").
 UNTIED_NODE_LIMIT = 400
-# The dual bound (search.dual_bound), where no search proves its plan, may take as long as
-# the search took, within these seconds; a search at another memory price starts where the
-# last stopped. Its bound rises fast, then slowly: 12-layer GPTs at d_model 2048 (h100) on 64
-# devices converge in 0.14 s to within 0.36% of the plan; on 1,024 they are within 9% after
-# 0.5 s and 4.6% after 2 s, where mini-buckets stay 77% away.
-DUAL_SECONDS = (0.05, 1.0)
+# The dual bound (search.dual_bound), where no search proves its plan: at most this many
+# sweeps and table entries of work (about 0.25 to 0.5 s here for a step's 192 nodes), a
+# search at another memory price starting where the last stopped. Counted in work, not
+# seconds, so that a plan's bound is the same on every machine. Its bound rises fast, then
+# slowly: 12-layer GPTs at d_model 2048 (h100) on 64 devices converge within 0.36% of the
+# plan; on 1,024 they are within 12% after 30 sweeps and 4.6% after 400, where mini-buckets
+# stay 77% away.
+DUAL_SWEEPS = 60
+DUAL_WORK = 2e8
 # Mesh axes (of more than one device) up to which recursive_programming builds the whole
 # space's problem for its bound. With three, building it outweighs the search: Llama-3-8B
 # (nn.scan) on 8x4x8 planned in 0.7 s without the bound and 6.0 s with it; on 16x16, 0.7 s
@@ -97,11 +101,6 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         space = extra.pop("space")
         if extra["rounds"] == extra["exact_rounds"] == 1:  # one exact round: the optimum
             extra.update(exact=True, lower_bound=float(solution.cost), gap=0.0)
-        elif len(axis_order(mesh)) <= RECURSIVE_BOUND_AXES:  # the whole space's bound
-            extra.update(_bounded(full(), solution.cost, problems, time.perf_counter() - t0))
-        else:
-            extra["bound"] = (f"none: the whole space of {len(axis_order(mesh))} mesh axes "
-                              "is slow to build; dynamic_programming bounds it")
     elif algorithm == "sharding_propagation":
         if not pinned:
             raise AutoparError(
@@ -111,8 +110,6 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
                 "search='dynamic_programming'.")
         problem, solution = _propagate(full(), pinned)
         space = "propagation from the annotations"
-        extra = _bounded(problem, solution.cost, problems,  # among plans keeping the pins
-                         time.perf_counter() - t0)
     else:
         untied = _untied(graph, mesh, hw, pinned, units, problems, memory_weight)
         problem = untied or full()
@@ -124,10 +121,6 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
                 graph, mesh, hw, pinned, tie_layers=tie, units=units, narrow=True,
                 memo=problems)).priced(graph, mesh, memory_weight)
             problem, solution, space = _best_within_bound(problem, narrow, mesh)
-            if not solution.stats["exact"]:
-                dual = _bounded(problem, solution.cost, problems, time.perf_counter() - t0)
-                if dual["lower_bound"] > solution.stats["lower_bound"]:
-                    solution.stats.update(dual)
     t1 = time.perf_counter()
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
     stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
@@ -138,22 +131,38 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
     return _decisions(problem, solution, graph), stats
 
 
-def _bounded(problem: Problem, cost: float, problems: dict | None, searched_s: float
-             ) -> dict[str, Any]:
-    """The dual bound of `problem` against a plan of `cost` found in `searched_s` seconds:
-    lower_bound, gap, exact. Where `problems` kept where the last bound of these edges (at
-    another price) stopped, it starts there."""
+def with_dual_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
+                    pinned: dict[int, Spec] | None, units: list[Unit], problems: dict,
+                    stats: dict[str, Any]) -> dict[str, Any]:
+    """`stats` of the plan a planning chose (at its memory price), with the dual bound of the
+    problem its search solved where that is higher than the search's own bound: computed
+    once a plan, not once a memory round. None for a proven answer (exact elimination, a
+    kept-bytes proof), nor for recursive_programming on meshes of more than
+    RECURSIVE_BOUND_AXES axes (said in `bound`). `exact` is claimed at a nil gap without a
+    memory price only."""
+    if stats.get("exact") or "kept_budget_bytes" in stats:
+        return stats
+    if algorithm == "recursive_programming" and len(axis_order(mesh)) > RECURSIVE_BOUND_AXES:
+        return {**stats, "bound": (f"none: the whole space of {len(axis_order(mesh))} mesh "
+                                   "axes is slow to build; dynamic_programming bounds it")}
+    unpriced = problems.get("untied") if algorithm == "dynamic_programming" else None
+    if unpriced is None:
+        unpriced = kept_problem(problems, "full", lambda: build_problem(
+            graph, mesh, hw, pinned, units=units, memo=problems))
+    price = float(stats.get("memory_price_s_per_byte") or 0.0)
+    problem = unpriced.priced(graph, mesh, price)
+    cost = float(stats["objective_s"])
+    kept = problems.get("dual")  # where the last bound of these edges stopped
     edges = problem.graph.edges  # shared by the problem at every price (with_node_costs)
-    kept = problems.get("dual") if problems is not None else None
     start = kept[1] if kept is not None and kept[0] is edges else None
-    seconds = min(max(searched_s, DUAL_SECONDS[0]), DUAL_SECONDS[1])
-    bound, stats, reached = search.dual_bound(problem.graph, target=cost, seconds=seconds,
-                                              start=start)
-    if problems is not None:
-        problems["dual"] = (edges, reached)
+    bound, dual, reached = search.dual_bound(problem.graph, target=cost, work=DUAL_WORK,
+                                             max_sweeps=DUAL_SWEEPS, start=start)
+    problems["dual"] = (edges, reached)
+    if bound <= stats.get("lower_bound", -math.inf):
+        return {**stats, **dual}
     gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
-    return {**stats, "lower_bound": bound, "gap": gap, "exact": gap <= search.REACHED,
-            "bound": "dual"}
+    return {**stats, **dual, "lower_bound": bound, "gap": gap, "bound": "dual",
+            "exact": gap <= search.REACHED and not price}
 
 
 def _exact(problem: Problem) -> search.Solution | None:
