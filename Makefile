@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast fuzz reliability bench clean
+.PHONY: run test test-fast fuzz reliability bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ run: $(STAMP)
 # 2 cores, two workers (sharing one compilation cache, tests/conftest.py) take about 9 minutes.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+# Headless Chromium renders Plan.to_html's page in tests/test_plan_html.py: Debian's package,
+# installed where the tests run (as root, with apt); elsewhere that one test skips, saying so.
+chromium:
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& apt-get install -y -q chromium >/dev/null 2>&1; } \
+		|| echo "chromium is not installed: tests/test_plan_html.py skips rendering the page"
+
+test: $(STAMP) chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20 tests
 
 test-fast: $(STAMP)

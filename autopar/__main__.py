@@ -1,9 +1,10 @@
-"""`python -m autopar show|explain|diff PLAN.json ...`: read saved plans from the shell.
+"""`python -m autopar show|explain|diff|html PLAN.json ...`: read saved plans from the shell.
 
   show PLAN.json             every input's spec, the predicted cost and memory (summary())
   explain PLAN.json PATH     one input: its spec, bytes and reshardings (a saved plan cannot
                              search again: plan the step in Python for the alternatives)
   diff A.json B.json         the inputs sharded differently and what each plan predicts
+  html PLAN.json OUT.html    the plan as one self-contained page (Plan.to_html)
 """
 from __future__ import annotations
 
@@ -29,12 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     compare = commands.add_parser("diff", help="two plans compared")
     compare.add_argument("a")
     compare.add_argument("b")
+    page = commands.add_parser("html", help="a plan as one HTML page")
+    page.add_argument("plan")
+    page.add_argument("out")
     args = parser.parse_args(argv)
     try:
         if args.command == "show":
             print(load_plan(args.plan).summary(args.limit))
         elif args.command == "explain":
             print(load_plan(args.plan).explain(args.path))
+        elif args.command == "html":
+            load_plan(args.plan).to_html(args.out, title=args.plan)
+            print(f"wrote {args.out}")
         else:
             print(diff(load_plan(args.a), load_plan(args.b)))
     except AutoparError as e:

@@ -274,6 +274,14 @@ class Plan:
         from autopar.explain import explain
         return explain(self, path, self.replanner, alternatives)
 
+    def to_html(self, path: str, title: str = "autopar plan") -> None:
+        """Write the plan as one self-contained HTML page (autopar/plan_html.py): the mesh,
+        each layer's specs, the collectives by layer, kind and mesh axes, the memory over the
+        step with its peak, and the compiled peak beside the predicted one where known."""
+        from autopar.plan_html import plan_page
+        with open(path, "w") as f:
+            f.write(plan_page(self, title))
+
     # -- JSON --------------------------------------------------------------------------------------
     def to_json(self, detail: bool = False) -> str:
         """The plan as JSON, one entry per line (layout: plan_json). Compact by default: the

@@ -33,6 +33,8 @@ def test_show_explain_and_diff_print_what_the_api_gives(saved, capsys):
     assert f"{KERNEL} " in out and str(spec) in out and "decided by: not known" in out
     assert main(["diff", str(folder / "free.json"), str(folder / "lean.json")]) == 0
     assert capsys.readouterr().out.strip() == str(autopar.diff(free, lean))
+    assert main(["html", str(folder / "lean.json"), str(folder / "lean.html")]) == 0
+    assert f"{lean.cost['total_s'] * 1e3:.3f} ms" in (folder / "lean.html").read_text()
 
 
 def test_errors_go_to_stderr_with_status_2(saved, capsys, tmp_path):

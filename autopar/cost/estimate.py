@@ -16,6 +16,9 @@ class MemoryEstimate:
     at_peak: dict[str, int]
     where: str  # the operator at which the peak occurs
     largest: tuple[tuple[str, int], ...]  # (what, bytes), largest first
+    # (time, bytes): the most live within each of at most TIMELINE_POINTS spans of the step's
+    # times, in program order (the peak's span holds the peak)
+    timeline: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
         parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in self.at_peak.items() if v)

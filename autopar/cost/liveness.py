@@ -315,8 +315,10 @@ class _Walk:
             delta[b.first] += b.nbytes
             delta[b.last + 1] -= b.nbytes
         peak, peak_time, live = sum(base.values()), -1, sum(base.values())
+        series = []
         for i in range(len(delta) - 1):
             live += delta[i]
+            series.append(live)
             if live > peak:
                 peak, peak_time = live, i
         at_peak = dict(base)
@@ -330,7 +332,8 @@ class _Walk:
         where = (_name(graph.program[then[0]], then[0]) if then
                  else "the copies of donated inputs" if peak_time >= 0 else "the start of the step")
         return MemoryEstimate(int(peak), at_peak, where,
-                              tuple((self.describe(b), b.nbytes) for b in held[:5]))
+                              tuple((self.describe(b), b.nbytes) for b in held[:5]),
+                              _timeline(series))
 
     def describe(self, b: Buffer) -> str:
         """A buffer's name (named only if among the largest at the peak: naming is slow)."""
@@ -348,6 +351,16 @@ class _Walk:
         made = self.producer_step[b.tensor]
         name = path or _name(program[made], made)
         return f"{name} (recomputed)" if b.how == "recomputed" else name
+
+
+TIMELINE_POINTS = 100
+
+
+def _timeline(series: list[int]) -> tuple[tuple[int, int], ...]:
+    """(time, the most live) of each of at most TIMELINE_POINTS equal spans of `series`."""
+    span = max(1, -(-len(series) // TIMELINE_POINTS))
+    return tuple((i + max(range(len(part)), key=part.__getitem__), int(max(part)))
+                 for i in range(0, len(series), span) if (part := series[i:i + span]))
 
 
 @per_graph

@@ -115,7 +115,8 @@ def memory_json(m: MemoryEstimate, model: BufferModel, limit: int | None = None
     """The estimate as the plan records it, with the buffer model that made it."""
     out: dict[str, Any] = {"peak_bytes": m.peak_bytes, "at_peak": dict(m.at_peak),
                            "where": m.where, "largest": [list(x) for x in m.largest],
-                           "buffer_model": model.name}
+                           "buffer_model": model.name,
+                           "timeline": [list(x) for x in m.timeline]}
     if limit is not None:
         out["limit_bytes"] = limit
     return out
