@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast fuzz reliability bench clean chromium
+.PHONY: run test test-fast fuzz reliability bench clean chromium docs
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ reliability: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache plans
+
+# The docs site in site/: the guides in docs/ and the API reference from the docstrings;
+# warnings (a broken link, a missing page, a docstring that does not parse) are errors.
+docs: $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) -m mkdocs build --strict --clean
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
