@@ -25,5 +25,6 @@ __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "
            "MemoryLimitError", "Evaluation", "evaluate", "AutoparWarning", "make_mesh",
            "OpDecision", "Plan", "Redistribution", "TensorPlan", "load_plan", "save_checkpoint",
            "restore_checkpoint", "checkpoint_plan", "latest_checkpoint", "wait_for_checkpoints",
-           "Preemption", "diff", "PlanDiff", "set_plan_cache_dir", "plan_cache_dir", "process_rows", "global_batch", "is_main_process", "Placed", "unpack"]
+           "Preemption", "diff", "PlanDiff", "set_plan_cache_dir", "plan_cache_dir",
+           "process_rows", "global_batch", "is_main_process", "Placed", "unpack"]
 __version__ = "0.1.0"

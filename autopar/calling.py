@@ -39,7 +39,8 @@ class Conventions:
         donate = _argnums(fn, "donate", donate_argnums, donate_argnames)
         both = sorted(static[0] & donate[0]) + sorted(static[1] & donate[1])
         if both:
-            raise AutoparError(f"arguments {both} of {function_name(fn)} are both static and donated; "
+            raise AutoparError(f"arguments {both} of {function_name(fn)} are both static and "
+                               "donated; "
                                "a static argument is a Python value with no buffer to donate. "
                                "Fix: drop them from static_argnums/static_argnames or from "
                                "donate_argnums/donate_argnames.")
@@ -67,7 +68,8 @@ def _argnums(fn: Callable, option: str, argnums: Any, argnames: Any
     keywords.update({p.name: None for p in params if p.kind == p.KEYWORD_ONLY})
     unknown = [n for n in names if n not in keywords]
     if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
-        raise AutoparError(f"{option}_argnames names {unknown}, which {function_name(fn)} does not take "
+        raise AutoparError(f"{option}_argnames names {unknown}, which {function_name(fn)} does "
+                           "not take "
                            f"by keyword (its parameters: {[p.name for p in params]}). Fix: name "
                            f"its parameters, or use {option}_argnums for positions.")
     nums += tuple(keywords[n] for n in names if keywords.get(n) is not None)
@@ -207,7 +209,8 @@ class Call:
             if where not in self.slots:
                 raise AutoparError(
                     f"{option}={argnums!r} names positional argument {i}, and this call of "
-                    f"{function_name(self.fn)} has {self.positional} positional argument(s), of which "
+                    f"{function_name(self.fn)} has {self.positional} positional argument(s), "
+                    "of which "
                     f"{sorted(w for w in self.slots if isinstance(w, int))} are traced. Fix: "
                     f"name the batch's position among the traced positional arguments.")
             out.append(self.slots.index(where))

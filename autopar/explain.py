@@ -16,7 +16,10 @@ from typing import Any, Callable
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, MemoryLimitError
-from autopar.plan import Plan, Redistribution, TensorPlan
+from autopar.cost.model import reshard_sequence
+from autopar.mesh import MeshShape
+from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
+from autopar.rules.factors import to_partition_spec
 
 Replan = Callable[[dict[str, PartitionSpec], bool], Plan]  # (pins, keep the memory limit)
 
@@ -43,12 +46,14 @@ class Alternative:
 
 @dataclass(frozen=True)
 class Explanation:
+    """Why an input has its spec (see Plan.explain); str() of it reads as a report."""
     tensor: TensorPlan
     total_s: float  # the plan's predicted step time
     peak_memory_bytes: int
     redistributions: tuple[Redistribution, ...]  # the reshardings of this input
     alternatives: tuple[Alternative, ...]
     decided_by: str
+    mesh: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
         t = self.tensor
@@ -57,7 +62,7 @@ class Explanation:
                  f"the plan: {self.total_s * 1e3:.3f} ms per step, peak "
                  f"{self.peak_memory_bytes / 2**20:.2f} MiB per device"]
         for r in self.redistributions:
-            lines.append(f"  resharded: {r.describe()}")
+            lines.append(f"  resharded: {r.describe()}; {_collectives(r, self.mesh)}")
         if self.alternatives:
             lines.append("alternatives, the rest of the plan searched again:")
         for a in self.alternatives:
@@ -92,31 +97,64 @@ def explainable(made: Plan, plan: Callable[..., Plan], fn: Callable, args: tuple
     return dataclasses.replace(made, replanner=Replanner(replan, annotations))
 
 
+@dataclass(frozen=True)
+class ScopeExplanation:
+    """The intermediates made in one scope of the step (a layer's module path, as
+    `OpDecision.scope` names it): each operator's result spec, compute, collectives and
+    reshardings. The search decided them; annotations pin inputs only."""
+    scope: str
+    ops: tuple[OpDecision, ...]
+    redistributions: tuple[Redistribution, ...]
+    mesh: tuple[tuple[str, int], ...]
+    decided_by: str
+
+    def __str__(self) -> str:
+        lines = [f"{self.scope}: {len(self.ops)} operators"]
+        for o in self.ops:
+            spec = to_partition_spec(o.out_specs[0]) if o.out_specs else "()"
+            parts = [f"  {o.primitive}{' (backward)' if o.backward else ''} -> "
+                     f"{o.out_shapes[0] if o.out_shapes else ()} {spec}: compute "
+                     f"{o.compute_s * 1e3:.4f} ms"]
+            if o.communication_s:
+                parts.append(f"collectives {o.communication_s * 1e3:.4f} ms (" + ", ".join(
+                    f"{kind} over {','.join(axes)}" for kind, axes in partial_sums(o)) + ")")
+            lines.append(", ".join(parts))
+        for r in self.redistributions:
+            lines.append(f"  resharded: {r.describe()}; {_collectives(r, self.mesh)}")
+        lines.append(f"decided by: {self.decided_by}")
+        return "\n".join(lines)
+
+
 def explain(plan: Plan, path: str, replanner: Replanner | None, alternatives: int
-            ) -> Explanation:
+            ) -> Explanation | ScopeExplanation:
     """See Plan.explain."""
     tensor = next((t for t in plan.inputs if t.path == path), None)
     if tensor is None:
-        near = [t.path for t in plan.inputs if path.split("/")[-1] in t.path][:5]
-        raise AutoparError(f"the plan has no input {path!r}. Fix: name an input path as "
-                           f"plan.summary() lists them" + (f" (such as {near})" if near else
-                                                          "") + ".")
+        ops = tuple(o for o in plan.ops if o.scope == path and not o.primitive.startswith("scan"))
+        if ops:
+            return _scope(plan, path, ops)
+        near = sorted({t.path for t in plan.inputs if path.split("/")[-1] in t.path} |
+                      {o.scope for o in plan.ops if path.split("/")[-1] in o.scope})[:5]
+        raise AutoparError(f"the plan has no input, nor operators of scope, {path!r}. Fix: "
+                           f"name an input path as plan.summary() lists them, or a scope of "
+                           f"plan.ops (a plan made in this process)" +
+                           (f"; such as {near}" if near else "") + ".")
     moved = tuple(r for r in plan.redistributions if r.tensor == path)
     annotated = _annotation(replanner.annotations if replanner else None, path)
     if annotated is not None:
         return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
-                           (), f"your annotation {annotated[0]!r}: {annotated[1]}")
+                           (), f"your annotation {annotated[0]!r}: {annotated[1]}", plan.mesh)
     specs = _candidates(tensor, dict(plan.mesh))[:alternatives]
     if not specs:
         return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
-                           (), "no alternative: no dimension divides by a mesh axis")
+                           (), "no alternative: no dimension divides by a mesh axis", plan.mesh)
     if replanner is None:
         return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
                            (), "not known: this plan was read from JSON and cannot search "
-                           "again (plan the step, then explain)")
+                           "again (plan the step, then explain)", plan.mesh)
     tried = tuple(_tried(replanner.replan, path, spec) for spec in specs)
     return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
-                       tried, _decided(plan, tried))
+                       tried, _decided(plan, tried), plan.mesh)
 
 
 def _annotation(annotations: Any, path: str) -> tuple[str, str] | None:
@@ -188,6 +226,33 @@ def _decided(plan: Plan, tried: tuple[Alternative, ...]) -> str:
         notes.append("the whole plan was searched within memory_limit")
     return ("the cost model: every alternative tried is no faster"
             + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def _scope(plan: Plan, scope: str, ops: tuple[OpDecision, ...]) -> ScopeExplanation:
+    ids = {o.index for o in ops}
+    moved = tuple(r for r in plan.redistributions
+                  if (m := re.search(r"#(\d+)", r.where)) and int(m.group(1)) in ids)
+    return ScopeExplanation(scope, ops, moved, plan.mesh,
+                            "the search: annotations pin inputs, not intermediates; "
+                            "autopar.shard(x, P(...)) in the step fixes one, and explaining "
+                            "the inputs these operators read weighs their alternatives")
+
+
+def partial_sums(o: OpDecision) -> list[tuple[str, tuple[str, ...]]]:
+    """The collectives of an operator's partial sums, (kind, mesh axes): a reduce-scatter
+    over the axes its result is split on, an all-reduce over the rest."""
+    placed = {a for axes in (o.out_specs[0] if o.out_specs else ()) for a in axes}
+    scattered = tuple(a for a in o.partial_axes if a in placed)
+    summed = tuple(a for a in o.partial_axes if a not in placed)
+    return [(kind, axes) for kind, axes in (("reduce-scatter", scattered),
+                                            ("all-reduce", summed)) if axes]
+
+
+def _collectives(r: Redistribution, mesh: tuple[tuple[str, int], ...]) -> str:
+    shape = MeshShape(tuple(n for n, _ in mesh), tuple(s for _, s in mesh))
+    steps = reshard_sequence(r.from_spec, r.to_spec, shape)
+    return ", ".join(f"{kind} over {','.join(axes)}" for kind, _, _, _, axes in steps) or \
+        "a local slice"
 
 
 def _line(error: Exception) -> str:

@@ -270,7 +270,10 @@ class Plan:
         its reshardings, then up to `alternatives` other specs, each with the step planned
         again around it (its time and memory, or that it does not fit memory_limit and its
         time without), and what decided: an annotation, the memory limit, the cost model, or
-        a search that missed a faster plan. One search per alternative."""
+        a search that missed a faster plan. One search per alternative. `path` may also be
+        a scope of the step's operators (`OpDecision.scope`, "GPT/block_0/mlp_in"): its
+        intermediates' specs, compute, collectives and reshardings
+        (autopar.explain.ScopeExplanation)."""
         from autopar.explain import explain
         return explain(self, path, self.replanner, alternatives)
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 from autopar.cost.model import reshard_sequence
+from autopar.explain import partial_sums
 from autopar.mesh import MeshShape
 from autopar.plan import Plan, bound_line
 from autopar.rules.factors import to_partition_spec
@@ -102,15 +103,11 @@ def _collectives(plan: Plan) -> str:
     mesh = MeshShape(tuple(n for n, _ in plan.mesh), tuple(s for _, s in plan.mesh))
     seconds: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0])
     for o in plan.ops:
-        if o.communication_s > 0 and o.partial_axes:
-            placed = {a for axes in (o.out_specs[0] if o.out_specs else ()) for a in axes}
-            scattered = tuple(a for a in o.partial_axes if a in placed)
-            summed = tuple(a for a in o.partial_axes if a not in placed)
-            for kind, axes in (("reduce-scatter", scattered), ("all-reduce", summed)):
-                if axes:  # the op's seconds shared by its collectives
-                    key = (_layer(o.scope), kind, ",".join(axes))
-                    seconds[key][0] += 1
-                    seconds[key][1] += o.communication_s / (bool(scattered) + bool(summed))
+        sums = partial_sums(o) if o.communication_s > 0 else []
+        for kind, axes in sums:  # the op's seconds shared by its collectives
+            key = (_layer(o.scope), kind, ",".join(axes))
+            seconds[key][0] += 1
+            seconds[key][1] += o.communication_s / len(sums)
     scopes = {o.index: o.scope for o in plan.ops}
     for r in plan.redistributions:
         steps = reshard_sequence(r.from_spec, r.to_spec, mesh)

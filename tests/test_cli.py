@@ -40,7 +40,8 @@ def test_show_explain_and_diff_print_what_the_api_gives(saved, capsys):
 def test_errors_go_to_stderr_with_status_2(saved, capsys, tmp_path):
     folder, _, _ = saved
     assert main(["explain", str(folder / "free.json"), "nope"]) == 2
-    assert "autopar: the plan has no input 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "autopar: the plan has no input, nor operators of scope, 'nope'" in err
     (tmp_path / "cut.json").write_text('{"format_version": 2, "mesh"')
     assert main(["show", str(tmp_path / "cut.json")]) == 2
     assert "does not parse" in capsys.readouterr().err

@@ -81,7 +81,7 @@ def test_every_plan_says_how_far_from_optimal_it_can_be(search, mesh):
     import autopar
     import models
     step, state, batch = models.gpt_abstract(batch=64, seq=128, vocab=1024, d_model=256,
-                                             heads=4, layers=2)
+                                             heads=4, layers=1)
     plan = autopar.plan(step, state, batch, mesh=mesh, search=search, hardware="h100")
     stats = plan.search_stats
     line = next(x for x in plan.summary().splitlines() if x.startswith("search:"))

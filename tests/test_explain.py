@@ -62,5 +62,22 @@ def test_a_plan_from_json_and_an_unknown_path(mlp):
     plan = autopar.plan(step, state, batch, mesh=MESH)
     loaded = autopar.Plan.from_json(plan.to_json())
     assert loaded.explain(KERNEL).decided_by.startswith("not known")
-    with pytest.raises(autopar.AutoparError, match="no input 'kernel'"):
+    with pytest.raises(autopar.AutoparError, match="nor operators of scope, 'kernel'"):
         plan.explain("kernel")
+
+
+def test_an_intermediate_scope_shows_its_operators(mlp):
+    step, state, batch = mlp
+    plan = autopar.plan(step, state, batch, mesh=MESH, memory_limit=60_000)
+    scope = next(o.scope for o in plan.ops if o.primitive == "dot_general")
+    why = plan.explain(scope)
+    assert isinstance(why, autopar.explain.ScopeExplanation)
+    assert why.ops == tuple(o for o in plan.ops if o.scope == scope)
+    text = str(why)
+    for o in why.ops:
+        assert f"compute {o.compute_s * 1e3:.4f} ms" in text
+    summed = [o for o in why.ops if o.communication_s and o.partial_axes]
+    assert all(f"collectives {o.communication_s * 1e3:.4f} ms" in text for o in summed)
+    assert "annotations pin inputs, not intermediates" in why.decided_by
+    with pytest.raises(autopar.AutoparError, match="nor operators of scope"):
+        plan.explain("MLP/nowhere")

@@ -62,12 +62,12 @@ def test_plan_is_read_back_without_search(cache, monkeypatch):
 
 @pytest.mark.slow
 def test_cached_plan_trains_as_the_single_device_step(cache, monkeypatch):
-    step, state, batch = models.gpt_setup()
+    step, state, batch = models.mlp_setup()
     mesh = autopar.make_mesh(MESH)
-    searched = check_against_single_device(step, state, batch, mesh)
+    searched = check_against_single_device(step, state, batch, mesh, steps=2)
     assert len(entries(cache)) == 1
     no_search(monkeypatch)
-    cached = check_against_single_device(step, state, batch, mesh)
+    cached = check_against_single_device(step, state, batch, mesh, steps=2)
     assert same_decisions(cached, searched) and cached.specs == searched.specs
 
 
@@ -87,9 +87,9 @@ def test_a_stale_entry_is_planned_again_with_a_warning(cache, monkeypatch):
     step, state, batch = models.mlp_setup()
     first = autopar.plan(step, state, batch, mesh=MESH)
     (entry,) = cache.glob("*.plan.json")
-    gpt, gpt_state, gpt_batch = models.gpt_setup()
+    nnx_step, nnx_state, nnx_batch = models.nnx_setup()
     monkeypatch.setattr(plan_cache, "_directory", [None])  # the other step's plan, uncached
-    other = autopar.plan(gpt, gpt_state, gpt_batch, mesh=MESH)
+    other = autopar.plan(nnx_step, nnx_state, nnx_batch, mesh=MESH)
     monkeypatch.setattr(plan_cache, "_directory", [str(cache)])
     entry.write_text(other.to_json())
     with pytest.warns(autopar.AutoparWarning, match="does not fit this step.*planning again"):
