@@ -11,10 +11,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from autopar import progress
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
-from autopar import progress
 from autopar.errors import AutoparError, AutoparWarning
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, Plan

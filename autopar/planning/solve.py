@@ -38,10 +38,11 @@ PROOF_GAP = 1e-3
 # one, so that `exact` holds for the step as written; above it, the search keeps the period-2
 # ties of repeated layers (docs/decisions.md, "Repeated layers tie two apart").
 UNTIED_NODE_LIMIT = 400
-# The dual bound (search.dual_bound), where no search proves its plan: at most this many
-# sweeps and table entries of work (about 0.25 to 0.5 s here for a step's 192 nodes), a
-# search at another memory price starting where the last stopped. Counted in work, not
-# seconds, so that a plan's bound is the same on every machine. Its bound rises fast, then
+# The dual bound (search.dual_bound) of a chosen plan no search proved: at most this many
+# sweeps and table entries of work (about 0.25 to 0.5 s here for a step's 192 nodes), from
+# where the last bound of the same problem stopped (a plan made again at a smaller memory
+# estimate). Counted in work, not seconds, so that a plan's bound is the same on every
+# machine. Its bound rises fast, then
 # slowly: 12-layer GPTs at d_model 2048 (h100) on 64 devices converge within 0.36% of the
 # plan; on 1,024 they are within 12% after 30 sweeps and 4.6% after 400, where mini-buckets
 # stay 77% away.
