@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.cost.model import reshard_sequence
-from autopar.mesh import MeshShape
+from autopar.mesh import mesh_shape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import to_partition_spec
 
@@ -249,8 +249,7 @@ def partial_sums(o: OpDecision) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _collectives(r: Redistribution, mesh: tuple[tuple[str, int], ...]) -> str:
-    shape = MeshShape(tuple(n for n, _ in mesh), tuple(s for _, s in mesh))
-    steps = reshard_sequence(r.from_spec, r.to_spec, shape)
+    steps = reshard_sequence(r.from_spec, r.to_spec, mesh_shape(dict(mesh)))
     return ", ".join(f"{kind} over {','.join(axes)}" for kind, _, _, _, axes in steps) or \
         "a local slice"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,12 +11,10 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.name_ranges import collapse
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.schedule.lanes import Lanes
 from autopar.schedule.storable import Storage
 from autopar.trace.ir import OpGraph
-from autopar.trace.layers import layer_key
 
 
 @dataclass
@@ -205,72 +202,16 @@ class Plan:
     def summary(self, limit: int = 40) -> str:
         """Every input path -> PartitionSpec (instances of a repeated layer with equal specs as
         one row, block_{0..3}/...), then the predicted cost; `limit` redistributions at most."""
-        rows = [(p, str(t.partition_spec), f"{t.bytes_per_device:,}")
-                for p, t in _grouped(self.inputs)]
-        width = max([len(r[0]) for r in rows] + [4])
-        lines = [f"{'path':<{width}}  {'spec':<28} bytes/device"]
-        lines += [f"{p:<{width}}  {s:<28} {b}" for p, s, b in rows]
-        c = self.cost
-        if PRICED <= set(c):  # a partial plan (annotations read from a file) has no cost
-            lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, "
-                         f"communication {c['communication_s'] * 1e3:.3f} ms, total "
-                         f"{c['total_s'] * 1e3:.3f} ms; peak memory "
-                         f"{c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
-        if {"lower_bound", "objective_s"} <= set(self.search_stats):
-            lines.append(bound_line(self.search, self.search_stats))
-        elif str(self.search_stats.get("bound", "")).startswith("none"):
-            lines.append(f"search: {self.search}, no bound ({self.search_stats['bound']})")
-        if {"at_peak", "where"} <= set(self.memory):
-            m = self.memory
-            kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"
-                              for k, v in m["at_peak"].items() if v)
-            allowed = (f" of {m['limit_bytes'] / 2**20:.1f} MiB allowed"
-                       if m.get("limit_bytes") else "")
-            lines.append(f"memory at its peak{allowed} ({m['where']}): {kinds} MiB")
-            if m.get("compiled_bytes"):
-                lines.append(f"compiled by XLA: {m['compiled_bytes'] / 2**20:.1f} MiB per device")
-        if self.pipeline_stages > 1:
-            lines.append(pipeline_line(self.pipeline_stages, self.microbatches,
-                                       self.microbatch_groups, self.pipeline_repeats))
-            if self.pipeline:
-                lines.append(stages_line(self.pipeline))
-            if self.stored is not None:
-                lines.append(stored_line(self.stored, self.inputs))
-            if self.lanes is not None:
-                lines.append(f"a Python loop's layers stored stacked between steps: "
-                             f"{self.lanes.families} families of {self.lanes.layers} leaves "
-                             "each, one array per family; the step returns them as "
-                             "autopar.Placed, autopar.unpack gives your tree")
-        elif self.microbatches > 1:
-            reduced = (f"kept per share of {self.microbatch_groups} device groups and reduced "
-                       "once after the loop" if self.microbatch_groups > 1 else
-                       "reduced in each microbatch")
-            lines.append(f"gradient accumulated over {self.microbatches} microbatches, one "
-                         f"after the other, {reduced}")
-        if self.search_stats.get("schedules_tried"):
-            lines.append("schedules weighed (pipeline='auto'): " + "; ".join(
-                schedule_line(t) for t in self.search_stats["schedules_tried"]))
-        if self.recompute:
-            lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
-                         f" ms more compute): {', '.join(self.recompute)}")
-        at = [r for r in self.redistributions if r.annotated]
-        if at:
-            lines.append(f"redistributions at annotations ({len(at)}):")
-            lines += [f"  {r.describe()}" for r in sorted(at, key=lambda r: -r.cost_s)[:limit]]
-        rest = [r for r in self.redistributions if not r.annotated]
-        if rest:
-            total = sum(r.cost_s for r in rest)
-            lines.append(f"{len(rest)} other redistributions, {total * 1e3:.3f} ms in all; "
-                         "the costliest:")
-            lines += [f"  {r.describe()}" for r in sorted(rest, key=lambda r: -r.cost_s)[:3]]
-        return "\n".join(lines)
+        from autopar.plan_text import summary
+        return summary(self, limit)
 
     def explain(self, path: str, alternatives: int = 6) -> Any:
         """Why input `path` has its spec (autopar.explain.Explanation; print it): its bytes,
         its reshardings, then up to `alternatives` other specs, each with the step planned
         again around it (its time and memory, or that it does not fit memory_limit and its
         time without), and what decided: an annotation, the memory limit, the cost model, or
-        a search that missed a faster plan. One search per alternative. `path` may also be
+        a search that missed a faster plan. A search per alternative, and a second where it
+        does not fit memory_limit. `path` may also be
         a scope of the step's operators (`OpDecision.scope`, "GPT/block_0/mlp_in"): its
         intermediates' specs, compute, collectives and reshardings
         (autopar.explain.ScopeExplanation)."""
@@ -343,76 +284,3 @@ def _unflatten(tree: Any, tensors: tuple[TensorPlan, ...]) -> Any:
             node = node.setdefault(p, {})
         node[leaf] = t.partition_spec
     return nested
-
-
-def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
-    """(path or pattern, tensor) rows: tensors whose paths differ only in their numbers and
-    that agree in shape, dtype and spec are one row, block_{0..3}/... (name_ranges.collapse)."""
-    groups: dict[tuple, list[TensorPlan]] = defaultdict(list)
-    for t in tensors:
-        groups[(layer_key(t.path), t.shape, t.dtype, t.spec, t.bytes_per_device)].append(t)
-    return [(pattern, members[0]) for members in groups.values()
-            for pattern in collapse([t.path for t in members])]
-
-
-def bound_line(search: str, stats: dict[str, Any]) -> str:
-    """How far from the cost model's optimum the search's plan can be, as its bound proves."""
-    gap = max(float(stats.get("gap", 0.0)), 0.0)
-    among = (f" among {stats['exact_for']}" if stats.get("exact_for") not in (None, "all plans")
-             else "")
-    priced = (" (the objective with memory priced at "
-              f"{stats['memory_price_s_per_byte']:.3g} s/byte)"
-              if stats.get("memory_price_s_per_byte") else "")
-    if stats.get("exact"):
-        return f"search: {search}, proven optimal under the cost model{among}"
-    return (f"search: {search}, within {gap:.2%} of the cost model's optimum{among}{priced}: "
-            f"objective {stats['objective_s'] * 1e3:.3f} ms, lower bound "
-            f"{stats['lower_bound'] * 1e3:.3f} ms")
-
-
-def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int = 1) -> str:
-    """The summary's line for a pipelined plan."""
-    ticks = repeats * microbatches + stages - 1
-    schedule = ("GPipe schedule" if repeats == 1 else
-                f"circular schedule, {repeats} rounds through the stages")
-    return (f"layer stack pipelined over {stages} stages (the mesh's 'stage' axis) and "
-            f"{microbatches} microbatches, {schedule}: {ticks} ticks, "
-            f"bubble {(stages - 1) / ticks:.0%} of each stage's time"
-            + (f"; each stage's microbatch in {shares} shares, its gradient reduced once after "
-               "the loop" if shares > 1 else ""))
-
-
-def stages_line(detail: dict[str, Any]) -> str:
-    """The summary's line on a pipeline's stages (planning/assemble.pipeline_detail)."""
-    held = "; ".join(f"stage {s}: layers " + ", ".join(f"{a}-{b}" if b > a else str(a)
-                                                       for a, b in ranges)
-                     for s, ranges in enumerate(detail["stage_layers"]))
-    sub = " x ".join(f"{n} {k}" for n, k in detail["sub_mesh"].items()) or "one device"
-    return (f"{held} (of {detail['layers']}); each stage on a sub-mesh of {sub}, one "
-            f"program: the tick loops, forward and backward of {detail['ticks']} ticks, "
-            f"estimated {detail['tick_loops_s'] * 1e3:.3f} ms and the plan's memory per device")
-
-
-def stored_line(stored: Storage, inputs: tuple[TensorPlan, ...]) -> str:
-    """The summary's line for a plan that keeps the stack in the circular placement."""
-    named = sorted({inputs[k].path.split("/")[0] for k in stored.inputs})
-    return (f"stored in the circular placement between steps: {len(stored.inputs)} leaves of "
-            f"{stored.length} layers (of {', '.join(named)}); the step returns them as "
-            "autopar.Placed, autopar.unpack gives your tree")
-
-
-def schedule_line(tried: dict) -> str:
-    """One schedule pipeline='auto' weighed (schedule/choice.py), for the summary."""
-    stages, m = tried["stages"], tried.get("microbatches")
-    if stages == 1:
-        name = "no pipeline" + (f", {m} microbatches" if isinstance(m, int) and m > 1 else "")
-    elif isinstance(stages, int):
-        name = f"{stages} stages x {m} microbatches"
-        if tried.get("repeats", 1) > 1:
-            name += f" x {tried['repeats']} rounds"
-    else:  # why no stage count was weighed (a mesh without a 'stage' axis)
-        name = "a pipeline"
-    if "total_ms" in tried:
-        return f"{name}: {tried['total_ms']:.3f} ms"
-    why = tried["left_out"]
-    return f"{name}: left out ({why if len(why) <= 80 else why[:77] + '...'})"

@@ -5,14 +5,17 @@ no script and nothing fetched: the page opens offline and attached to a bug repo
 from __future__ import annotations
 
 import html
+import math
 import re
 from collections import defaultdict
 from typing import Any
 
+from autopar.cost.estimate import mib
 from autopar.cost.model import reshard_sequence
 from autopar.explain import partial_sums
-from autopar.mesh import MeshShape
-from autopar.plan import Plan, bound_line
+from autopar.mesh import mesh_shape
+from autopar.plan import Plan
+from autopar.plan_text import bound_line
 from autopar.rules.factors import to_partition_spec
 
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
@@ -42,11 +45,11 @@ def _overview(plan: Plan) -> str:
         if key in c:
             rows.append((f"predicted {what}", f"{c[key] * 1e3:.3f} ms"))
     if "peak_memory_bytes" in c:
-        rows.append(("predicted peak memory", _mib(c["peak_memory_bytes"])))
+        rows.append(("predicted peak memory", mib(c["peak_memory_bytes"])))
     if m.get("compiled_bytes"):
-        rows.append(("compiled peak memory (XLA)", _mib(m["compiled_bytes"])))
+        rows.append(("compiled peak memory (XLA)", mib(m["compiled_bytes"])))
     if m.get("limit_bytes"):
-        rows.append(("memory limit", _mib(m["limit_bytes"])))
+        rows.append(("memory limit", mib(m["limit_bytes"])))
     stats = plan.search_stats
     if {"lower_bound", "objective_s"} <= set(stats):
         rows.append(("bound", bound_line(plan.search, stats).split(", ", 1)[1]))
@@ -59,7 +62,7 @@ def _mesh(plan: Plan) -> str:
     """The devices as a grid: the first axis down, the others across (row-major)."""
     names, sizes = [n for n, _ in plan.mesh], [s for _, s in plan.mesh]
     down = sizes[0] if len(sizes) > 1 else 1
-    across = max(1, (sizes[0] if len(sizes) == 1 else 1) * _prod(sizes[1:]))
+    across = max(1, (sizes[0] if len(sizes) == 1 else 1) * math.prod(sizes[1:]))
     cell = max(6, min(28, 560 // max(across, 1)))
     if down * across > 4096:
         return (f"<p>{' x '.join(map(str, sizes))} devices ({_e(', '.join(names))}): too "
@@ -100,7 +103,7 @@ def _layers(plan: Plan) -> str:
 def _collectives(plan: Plan) -> str:
     """Seconds per step by layer, collective kind and mesh axes: operators' partial sums and
     the plan's reshardings."""
-    mesh = MeshShape(tuple(n for n, _ in plan.mesh), tuple(s for _, s in plan.mesh))
+    mesh = mesh_shape(dict(plan.mesh))
     seconds: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0])
     for o in plan.ops:
         sums = partial_sums(o) if o.communication_s > 0 else []
@@ -133,7 +136,7 @@ def _memory(plan: Plan) -> str:
     if points:
         out.append(_curve(points, int(m.get("peak_bytes", 0)), m.get("limit_bytes")))
     if "at_peak" in m:
-        out.append(f"<p>Peak {_mib(m.get('peak_bytes', 0))} at <code>{_e(m.get('where', ''))}"
+        out.append(f"<p>Peak {mib(m.get('peak_bytes', 0))} at <code>{_e(m.get('where', ''))}"
                    "</code>: live then, by kind:</p>")
         out.append(_table(("kind", "MiB"), [(k.replace("_", " "), f"{v / 2**20:.2f}")
                                              for k, v in m["at_peak"].items() if v]))
@@ -141,8 +144,8 @@ def _memory(plan: Plan) -> str:
         out.append("<p>The largest buffers then:</p>" +
                    _table(("buffer", "MiB"), [(w, f"{b / 2**20:.2f}") for w, b in m["largest"]]))
     if m.get("compiled_bytes"):
-        out.append(f"<p>Predicted {_mib(m.get('peak_bytes', 0))} beside XLA's compiled "
-                   f"{_mib(m['compiled_bytes'])}.</p>")
+        out.append(f"<p>Predicted {mib(m.get('peak_bytes', 0))} beside XLA's compiled "
+                   f"{mib(m['compiled_bytes'])}.</p>")
     return "\n".join(out) or "<p>No memory estimate in this plan.</p>"
 
 
@@ -163,12 +166,12 @@ def _curve(points: list, peak: int, limit: Any) -> str:
         limit_line = (f"<line x1='20' x2='{width - 20}' y1='{ly:.1f}' y2='{ly:.1f}' "
                       f"stroke='#999' stroke-dasharray='4'/><text x='{width - 20}' "
                       f"y='{ly - 4:.1f}' text-anchor='end' font-size='11'>limit "
-                      f"{_mib(limit)}</text>")
+                      f"{mib(limit)}</text>")
     return (f"<svg width='{width}' height='{height}' role='img' aria-label='memory over the "
             f"step'><polyline points='{line}' fill='none' stroke='#2c7fb8' stroke-width='2'/>"
             f"{limit_line}<circle class='peak' cx='{px:.1f}' cy='{py:.1f}' r='5'><title>peak "
-            f"{_mib(b_peak)}</title></circle><text x='{px + 8:.1f}' y='{max(py, 14):.1f}' "
-            f"font-size='12'>peak {_mib(b_peak)}</text></svg><p class='note'>Bytes live per "
+            f"{mib(b_peak)}</title></circle><text x='{px + 8:.1f}' y='{max(py, 14):.1f}' "
+            f"font-size='12'>peak {mib(b_peak)}</text></svg><p class='note'>Bytes live per "
             "device over the step's program order (forward, backward, update), the most in "
             "each of up to 100 spans.</p>")
 
@@ -193,17 +196,6 @@ def _table(columns: tuple[str, ...] | None, rows: list[tuple]) -> str:
 
 def _shade(x: int, y: int) -> str:
     return "9ecae1" if (x + y) % 2 else "c6dbef"
-
-
-def _prod(values: list[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.2f} MiB"
 
 
 def _e(text: str) -> str:

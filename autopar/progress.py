@@ -101,12 +101,6 @@ def update(level: str, text: str) -> None:
             t.emit(now)
 
 
-def note(text: str) -> None:
-    """A one-off fact worth a line whatever the time (a plan read from the cache)."""
-    if _enabled():
-        _log(text)
-
-
 def _enabled() -> bool:
     return os.environ.get("AUTOPAR_PROGRESS", "1") != "0"
 

@@ -21,7 +21,7 @@ from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
 from . import sharding_propagation as sharding_propagation  # noqa: E402
-from .bounded import lower_bound, solve_bounded
+from .bounded import solve_bounded
 from .dual import REACHED, dual_bound
 from .constrained import solve_constrained
 from .brute_force import solve_brute_force
@@ -38,7 +38,6 @@ __all__ = [
     "REACHED",
     "InfeasibleError",
     "largest_table",
-    "lower_bound",
     "SearchTooLargeError",
     "Solution",
     "register_algorithm",

@@ -77,13 +77,6 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
     return Solution(choice, cost, stats)
 
 
-def lower_bound(graph: CostGraph, max_factor_size: float = 1e4) -> float:
-    """A lower bound on the optimum of `graph`, by mini-bucket elimination alone: for a
-    search that gives no bound of its own. Smaller tables are faster and the bound weaker."""
-    size, self_cost, pair = factor_tables(graph)
-    return _mini_buckets(graph, size, self_cost, pair, max_factor_size)[0]
-
-
 def factor_tables(graph: CostGraph) -> tuple[dict[int, int], list[np.ndarray],
                                         dict[tuple[int, int], np.ndarray]]:
     """Strategies per node, each node's own costs (its self-edges included), and the

@@ -13,15 +13,19 @@ from helpers import copy_tree, global_relative_error, run_steps
 MESH = {"data": 2, "model": 4}
 
 
+def linen_init(model, tx, x):
+    """A linen model's parameters and `tx`'s state from a key, for inputs like `x`."""
+    def init(key):
+        params = model.init(key, jax.numpy.zeros(x.shape, x.dtype))
+        return params, tx.init(params)
+    return init
+
+
 def gpt_init():
     model = models.GPT(vocab=256, d_model=64, heads=4, layers=2)
     tx = optax.adamw(1e-3)
     tokens = jax.ShapeDtypeStruct((8, 16), np.int32)
-
-    def init(key):
-        params = model.init(key, jax.numpy.zeros(tokens.shape, tokens.dtype))
-        return params, tx.init(params)
-
+    init = linen_init(model, tx, tokens)
     step = models.linen_step(model, models.token_loss, tx)
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
     batch = {"inputs": jax.random.randint(k1, tokens.shape, 0, 256),
@@ -68,11 +72,7 @@ def test_a_state_three_times_a_devices_memory_is_made_in_parts():
     model = models.MLP(hidden=2048, out=2048)
     tx = optax.adamw(1e-3)
     x = jax.ShapeDtypeStruct((64, 2048), np.float32)
-
-    def init(key):
-        params = model.init(key, jax.numpy.zeros(x.shape, x.dtype))
-        return params, tx.init(params)
-
+    init = linen_init(model, tx, x)
     step = models.linen_step(model, models.mse, tx)
     batch = {"inputs": x, "targets": jax.ShapeDtypeStruct((64, 2048), np.float32)}
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh({"data": 8}),
