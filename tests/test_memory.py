@@ -494,12 +494,12 @@ def test_buffer_model_follows_the_compiler_platform():
 def test_a_saved_plan_is_estimated_with_its_compilers_buffer_model(monkeypatch):
     """A saved plan applied to a step is estimated as the compiler that builds it buffers
     (here made to look like a GPU's, which has no calibrated model): its decisions are kept."""
-    from autopar import api
+    from autopar import stepper
     step, state, batch = mlp()
     mesh = autopar.make_mesh({"data": 8})
     saved = autopar.plan(step, state, batch, mesh=mesh)
     assert saved.memory["buffer_model"] == "xla-cpu"
-    monkeypatch.setattr(api, "compiler_platform", lambda mesh, hw: "gpu")
+    monkeypatch.setattr(stepper, "compiler_platform", lambda mesh, hw: "gpu")
     applied = autopar.auto_parallel(step, mesh=mesh, plan=saved).plan(state, batch)
     assert applied.memory["buffer_model"] == "conservative"
     assert applied.specs == saved.specs
@@ -511,8 +511,8 @@ def test_uncalibrated_platform_compiles_to_check_a_binding_budget(monkeypatch):
     """Where the platform's buffer model is the conservative one, a budget that binds is
     checked by compiling: the plan made without it is kept where XLA fits it in the limit,
     whatever the conservative estimate says, and the step trains as on one device."""
-    from autopar import api
-    monkeypatch.setattr(api, "compiler_platform", lambda mesh, hw: "gpu")
+    from autopar import stepper
+    monkeypatch.setattr(stepper, "compiler_platform", lambda mesh, hw: "gpu")
     step, state, batch = mlp()
     mesh = autopar.make_mesh({"data": 8})
     free = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,
