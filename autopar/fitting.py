@@ -37,9 +37,10 @@ from autopar.plan import Decisions, Plan
 from autopar.planning.pipeline import Planning
 
 CHECK_BAND = 0.85
-# The TPU model's estimates ran from 0.72 to 1.20 of the TPU compiler's peak on realistic
-# steps (docs/decisions.md, "TPU buffer model"): a plan estimated above this share of the
-# limit is compiled before it is used.
+# The TPU model's estimates read 0.93-1.00 of the TPU compiler's peak on the 64-chip suite's
+# programs and 1.05-1.08 on d_model-512 decoders, but 0.36-0.77 on tiny ones, whose buffers
+# the TPU's (8, 128) tiles pad (docs/decisions.md, "TPU buffer model"): a plan estimated above
+# this share of the limit is compiled before it is used.
 UNCALIBRATED_BAND = 0.6
 COMPILE_CHECKS = 3
 COSTLY_BUDGET = 1.25

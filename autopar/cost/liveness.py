@@ -25,13 +25,16 @@ def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
 def estimate(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape, model: BufferModel,
              reshards: dict[tuple[int, int], Spec] | None = None,
              recompute: Iterable[int] = (),
-             all_reduces: dict[int, tuple[str, ...]] | None = None) -> MemoryEstimate:
+             all_reduces: dict[int, tuple[str, ...]] | None = None,
+             in_loops: tuple[dict[tuple[int, int], Spec], dict[int, int]] = ({}, {})
+             ) -> MemoryEstimate:
     """The per-device memory of running `graph` with tensors sharded as `specs` (as produced),
     operands resharded as `reshards` says (see operand_reshards), the forward steps in
     `recompute` recomputed for the backward pass, and the steps in `all_reduces` all-reducing
-    their results (see all_reduce_steps), as the compiler `model` buffers them."""
+    their results (see all_reduce_steps), and the collectives inside loop bodies `in_loops`
+    (see loop_body_collectives), as the compiler `model` buffers them."""
     walk = _Walk.start(graph, specs, mesh, reshards or {}, frozenset(recompute),
-                       all_reduces or {}, model)
+                       all_reduces or {}, model, in_loops)
     buffers = walk.values()
     buffers += walk.reshardings()
     buffers += walk.transposes()
@@ -67,12 +70,15 @@ class _Walk:
     needed: dict[str, int]  # recomputed layer -> the time the backward pass first needs it
     aliased: set[int]
     copied: list[int]  # donated inputs copied before their update
+    in_loops: tuple[dict[tuple[int, int], Spec], dict[int, int]]  # see loop_body_collectives
     transposed_from: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
               reshards: dict[tuple[int, int], Spec], recompute: frozenset[int],
-              all_reduces: dict[int, tuple[str, ...]], model: BufferModel) -> _Walk:
+              all_reduces: dict[int, tuple[str, ...]], model: BufferModel,
+              in_loops: tuple[dict[tuple[int, int], Spec], dict[int, int]] = ({}, {})
+              ) -> _Walk:
         program = graph.program
         producer_step, readers = edges(graph)
         materialised, into_sum, kind = model.values(graph)
@@ -117,7 +123,7 @@ class _Walk:
                     needed.setdefault(layer, when[i])
         return cls(graph, specs, mesh, reshards, model, producer_step, readers, kind,
                    frozenset(materialised), when, last, begin, done, in_backward, backward,
-                   frozenset(early), layer_at, needed, aliased, copied)
+                   frozenset(early), layer_at, needed, aliased, copied, in_loops)
 
     def size(self, t: int) -> int:
         tensor = self.graph.tensors[t]
@@ -276,14 +282,68 @@ class _Walk:
         layer, in a microbatch loop) are buffers of the body. Taken for views, a d_model-1024
         GPT's microbatch loop was estimated at 2,034 MiB a device where XLA CPU compiled
         3,092 (docs/decisions.md, "Inner loops' results inside a microbatch loop")."""
-        graph, out = self.graph, []
-        fused = self.model.fused_values(graph)
-        held = body_peak if self.model.reuses_in_loops else body_sum
+        graph = self.graph
+        out, hoisted = self._hoisted_converts()
+        fused = self.model.fused_values(graph) | hoisted
         for i, ids in graph.loop_ops.items():
-            nbytes = held(graph, ids, fused, self.size)
+            if self.model.reuses_in_loops:
+                nbytes = body_peak(graph, ids, fused, self.size, self._body_collectives(ids),
+                                   self.model.defers_weight_gradients)
+            else:
+                nbytes = body_sum(graph, ids, fused, self.size)
             if nbytes:
                 out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
                                   graph.program[i].outputs[0], "loop"))
+        return out
+
+    def _hoisted_converts(self) -> tuple[list[Buffer], frozenset[int]]:
+        """Where the compiler converts a stacked input once for all its loop's trips (the TPU
+        compiler: a loop body's dtype conversion of its slice of a stacked weight, or of a
+        stack made from inputs alone, becomes one conversion of the whole stack, made at the
+        start of the step and kept until the last loop that reads it): those converted
+        stacks, and the body values they replace (slices of them, read in place)."""
+        if not self.model.hoists_slice_converts:
+            return [], frozenset()
+        graph = self.graph
+        sliced_from = {op.outputs[0]: op.inputs[0] for op in graph.ops
+                       if op.primitive == "scan_slice"}
+        stacks: dict[tuple[int, str], tuple[int, list[int]]] = {}  # -> (bytes, loop steps)
+        replaced = set()
+        for i, ids in graph.loop_ops.items():
+            for k in ids:
+                op = graph.ops[k]
+                x = sliced_from.get(op.inputs[0])
+                if (op.primitive != "convert_element_type" or x is None
+                        or self.producer_step.get(x, -1) not in self.early | {-1}):
+                    continue
+                piece, whole = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
+                nbytes = self.size(x) * whole.nbytes // max(piece.nbytes, 1)
+                stacks.setdefault((x, whole.dtype), (nbytes, []))[1].append(self.when[i])
+                replaced.add(op.outputs[0])
+        out = []
+        for (x, _), (nbytes, loops) in stacks.items():
+            out.append(Buffer(self.begin, max(loops), "temporaries", nbytes, x, "converted"))
+        return out, frozenset(replaced)
+
+    def _body_collectives(self, ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """(first, last place in `ids`, bytes) of what the body's collectives hold: an
+        operand resharded, from its first reader to its last (equal reshardings of one value
+        merged, as outside loops), the collectives' own results at the first; a result
+        reduce-scattered, its partial sums whole at its op."""
+        reshards, scattered = self.in_loops
+        graph, mesh = self.graph, self.mesh
+        readers: dict[tuple[int, Spec], list[int]] = {}
+        out = []
+        for n, k in enumerate(ids):
+            op = graph.ops[k]
+            for j, t in enumerate(op.inputs):
+                if (k, j) in reshards:
+                    readers.setdefault((t, reshards[(k, j)]), []).append(n)
+            out += [(n, n, self.size(t) * scattered[t]) for t in op.outputs if t in scattered]
+        for (t, spec), at in readers.items():
+            gathered, result = self.model.reshard_buffers(graph.tensors[t], self.specs.get(t),
+                                                          spec, mesh)
+            out += [(min(at), max(at), result), (min(at), min(at), gathered)]
         return out
 
     def copies(self) -> tuple[list[Buffer], list[tuple[int, int, int]]]:
@@ -346,6 +406,8 @@ class _Walk:
             return f"the values inside {_name(program[i], i)}"
         if b.how == "copied":
             return f"{path or f'input {b.tensor}'} (copied before its update)"
+        if b.how == "converted":
+            return f"{path or f'tensor {b.tensor}'} (converted whole for a loop)"
         if b.how in ("resharding", "transposing"):
             return f"{b.how} {path or f'tensor {b.tensor}'} for {_name(program[b.step], b.step)}"
         made = self.producer_step[b.tensor]

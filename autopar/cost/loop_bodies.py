@@ -3,7 +3,9 @@ every value at once (an upper bound), or the most live at once where the platfor
 reuses buffers inside a body (autopar.cost.xla's `reuses_in_loops`)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
+
+Held = tuple[int, int, int]  # (first, last) place in the body's ops, bytes
 
 from autopar.trace.ir import OpGraph
 
@@ -11,6 +13,7 @@ from autopar.trace.ir import OpGraph
 # loop's stacked results and final carries (scan_stack, scan_carry_out) are not among them:
 # inside another loop's body they are that body's values.
 LOOP_VIEWS = frozenset({"scan_carry", "scan_slice"})
+LAYOUT_AND_DTYPE = frozenset({"convert_element_type", "transpose", "reshape"})
 
 
 def _values(graph: OpGraph, ids: tuple[int, ...], fused: frozenset[int]
@@ -28,20 +31,51 @@ def body_sum(graph: OpGraph, ids: tuple[int, ...], fused: frozenset[int],
 
 
 def body_peak(graph: OpGraph, ids: tuple[int, ...], fused: frozenset[int],
-              size: Callable[[int], int]) -> int:
+              size: Callable[[int], int], extra: Sequence[Held] = (),
+              deferred: bool = False) -> int:
     """The most the body holds at once, each value live from its op to its last reader in the
-    body (a value the loop's marks read, to the end of the iteration)."""
+    body, with the `extra` buffers that the body's collectives make. `deferred`: the
+    weight gradients' dots run at the end of the body (see weight_gradients)."""
+    at = list(range(len(ids)))  # when each op runs
+    for n in weight_gradients(graph, ids) if deferred else ():
+        at[n] = len(ids) - 1
     last: dict[int, int] = {}
     for n, k in enumerate(ids):
         for t in graph.ops[k].inputs:
-            last[t] = n
+            last[t] = max(last.get(t, 0), at[n])
     delta = [0] * (len(ids) + 1)
     for n, ts in _values(graph, ids, fused):
         for t in ts:
-            delta[n] += size(t)
-            delta[max(last.get(t, n), n) + 1] -= size(t)
+            delta[at[n]] += size(t)
+            delta[max(last.get(t, at[n]), at[n]) + 1] -= size(t)
+    for first, end, nbytes in extra:  # places in `ids`: where those ops run
+        delta[at[first]] += nbytes
+        delta[max(at[first], at[end]) + 1] -= nbytes
     live = peak = 0
     for d in delta:
         live += d
         peak = max(peak, live)
     return peak
+
+
+def weight_gradients(graph: OpGraph, ids: tuple[int, ...]) -> list[int]:
+    """The places in `ids` of the dots whose results leave the body as stacked results (one
+    per trip, not carried to the next), through layout and dtype changes alone: a layer's
+    weight gradients, which nothing else in the body waits for. The TPU compiler's scheduler
+    runs them last (measured on a scanned Llama layer's backward body: its MLP's gradients
+    and activations stayed live through the attention's backward, for the weight gradients'
+    dots after it)."""
+    ops = graph.ops
+    stacked = {op.inputs[0] for op in ops if op.primitive == "scan_stack"}
+    readers: dict[int, list[int]] = {}
+    for k in ids:
+        for t in ops[k].inputs:
+            readers.setdefault(t, []).append(k)
+
+    def leaves(t: int) -> bool:
+        rs = readers.get(t, ())
+        return (t in stacked or bool(rs)) and all(
+            ops[r].primitive in LAYOUT_AND_DTYPE and all(map(leaves, ops[r].outputs))
+            for r in rs)
+    return [n for n, k in enumerate(ids)
+            if ops[k].primitive == "dot_general" and all(map(leaves, ops[k].outputs))]

@@ -77,6 +77,25 @@ def operand_reshards(graph: OpGraph, decisions: Decisions) -> dict[tuple[int, in
     return out
 
 
+def loop_body_collectives(graph: OpGraph, decisions: Decisions, mesh: MeshShape
+                          ) -> tuple[dict[tuple[int, int], Spec], dict[int, int]]:
+    """Inside loop bodies: (op, operand) -> the sharding the operand is resharded to, and
+    each result reduce-scattered -> the devices it is scattered over (its partial sums are
+    held whole until then)."""
+    produced = decisions.tensor_specs(graph)
+    reshards, scattered = {}, {}
+    for k in {k for ids in graph.loop_ops.values() for k in ids}:
+        op, strategy = graph.ops[k], decisions.ops[k]
+        for j, (t, spec) in enumerate(zip(op.inputs, strategy.in_specs)):
+            if t in produced and spec != produced[t]:
+                reshards[(k, j)] = spec
+        for t, spec in zip(op.outputs, strategy.out_specs):
+            n = group_size(mesh, partial_split(strategy, spec)[0])
+            if n > 1:
+                scattered[t] = n
+    return reshards, scattered
+
+
 def kept_bytes(graph: OpGraph, decisions: Decisions, mesh: MeshShape) -> int:
     """The bytes per device `decisions` keep of the step's inputs, activations and gradients:
     the search's model of memory, additive over strategies (problem.Problem.kept prices the
@@ -92,7 +111,8 @@ def plan_memory(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
     buffers them."""
     return estimate(graph, decisions.tensor_specs(graph), mesh, model,
                     operand_reshards(graph, decisions), decisions.recompute,
-                    all_reduce_steps(graph, decisions, mesh))
+                    all_reduce_steps(graph, decisions, mesh),
+                    loop_body_collectives(graph, decisions, mesh))
 
 
 def all_reduce_steps(graph: OpGraph, decisions: Decisions, mesh: MeshShape

@@ -32,6 +32,8 @@ class BufferModel(Protocol):
     name: str
     calibrated: bool  # checked against this platform's compiled programs
     reuses_in_loops: bool  # a loop body's values freed after their last reader in the body
+    defers_weight_gradients: bool  # a loop body's weight-gradient dots run at its end
+    hoists_slice_converts: bool  # a body's conversion of a stacked input's slice made whole
 
     def values(self, graph: OpGraph) -> ValueBuffers: ...
 

@@ -331,6 +331,8 @@ class CpuBuffers:
     name = "xla-cpu"
     calibrated = True
     reuses_in_loops = False
+    defers_weight_gradients = False
+    hoists_slice_converts = False
     values = staticmethod(value_buffers)
     fused_values = staticmethod(fused_values)
     combined_all_reduces = staticmethod(all_reduce_groups)

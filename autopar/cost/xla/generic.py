@@ -30,6 +30,8 @@ class ConservativeBuffers:
     name = "conservative"
     calibrated = False
     reuses_in_loops = False
+    defers_weight_gradients = False
+    hoists_slice_converts = False
     values = staticmethod(_value_buffers)
     # Times are estimated with an ideal fuser's fusion: GPU and TPU compilers are taken to
     # fuse at least as much as XLA CPU (not measured here), and charging every value's bytes

@@ -12,7 +12,13 @@ calibrated: docs/decisions.md, "TPU buffer model"):
 - a loop's body runs with its own buffer reuse: its values are held from their producer to
   their last reader inside the body, not all together (a scanned decoder layer's backward
   body recomputes the forward pass, and the two passes' attention matrices are not all live
-  at once).
+  at once);
+- inside a body, the collectives' buffers count as outside one (a layer's weights gathered,
+  a weight gradient's partial sums before their reduce-scatter), and the weight gradients'
+  dots run last, so what they read lives to the end of the body;
+- a body's conversion of its slice of a stacked input (bf16 compute on f32 weights) is one
+  conversion of the whole stack, made at the start of the step and kept until the last loop
+  that reads it.
 """
 from __future__ import annotations
 
@@ -50,6 +56,8 @@ class TpuBuffers(CpuBuffers):
     name = "xla-tpu"
     calibrated = False
     reuses_in_loops = True
+    defers_weight_gradients = True
+    hoists_slice_converts = True
     values = staticmethod(value_buffers)
     fused_values = staticmethod(fused_values)
 
