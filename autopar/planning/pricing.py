@@ -71,6 +71,12 @@ class Resharding:
         self._specs: dict[tuple, tuple[list[Strategy], tuple[Spec, ...]]] = {}
         self._lists: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
         self._terms: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        # reshard_terms by the specs' numbers: the mesh and profile are this object's, and a
+        # spec (nested tuples) hashes slowly; three-axis meshes look up millions of pairs.
+        self._number: dict[Spec, int] = {}
+        self._specs_by_number: list[Spec] = []
+        self._known = np.zeros((0, 0), bool)  # [src, dst]: priced yet
+        self._terms_of = np.zeros((0, 0, 2))  # [src, dst]: (latency, seconds per byte)
 
     def specs(self, strategies: list[Strategy], side: str, index: int) -> tuple[Spec, ...]:
         """The spec of operand (side 'in') or result ('out') `index` under each strategy, as
@@ -89,14 +95,36 @@ class Resharding:
         if key not in self._terms:
             src_idx, src_list = _distinct(srcs)
             dst_idx, dst_list = _distinct(dsts)
-            table = np.array([reshard_terms(s, d, self.mesh, self.hw)
-                              for s in src_list for d in dst_list],
-                             dtype=np.float64).reshape(len(src_list), len(dst_list), 2)
+            table = self._table(src_list, dst_list)
             table = (table[src_idx, dst_idx] if paired
                      else table.take(src_idx, axis=0).take(dst_idx, axis=1))
             self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
         latency, per_byte = self._terms[key]
         return latency + per_byte * tensor.nbytes
+
+    def _table(self, srcs: list[Spec], dsts: list[Spec]) -> np.ndarray:
+        """reshard_terms of every (src, dst), as an array [src, dst, 2]."""
+        number = self._number
+        a = np.array([number.setdefault(x, len(number)) for x in srcs], dtype=np.int64)
+        b = np.array([number.setdefault(x, len(number)) for x in dsts], dtype=np.int64)
+        if len(number) > len(self._known):  # grow the tables, doubling
+            size = max(2 * len(self._known), len(number), 64)
+            known, terms = np.zeros((size, size), bool), np.zeros((size, size, 2))
+            n = len(self._known)
+            known[:n, :n], terms[:n, :n] = self._known, self._terms_of
+            self._known, self._terms_of = known, terms
+            self._specs_by_number = list(number)
+        elif len(self._specs_by_number) < len(number):
+            self._specs_by_number = list(number)
+        block = np.ix_(a, b)
+        missing = ~self._known[block]
+        if missing.any():
+            spec = self._specs_by_number
+            for i, j in zip(*np.nonzero(missing)):
+                self._terms_of[a[i], b[j]] = reshard_terms(spec[a[i]], spec[b[j]], self.mesh,
+                                                           self.hw)
+            self._known[block] = True
+        return self._terms_of[block]
 
 
 def unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
