@@ -39,16 +39,23 @@ def _as_cost_array(values: Any, ndim: int, what: str) -> np.ndarray:
 
     Only finite values and +inf are accepted so that sums of costs never
     produce NaN (``inf - inf`` cannot arise without a ``-inf`` operand).
+    A read-only float64 array that owns its data is taken as it is: nothing
+    can change it (a three-axis mesh's edge matrices are megabytes each).
     """
-    try:
-        arr = np.array(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what}: costs must be numeric ({exc})") from exc
+    if (isinstance(values, np.ndarray) and values.dtype == np.float64
+            and not values.flags.writeable and values.base is None):
+        arr = values
+    else:
+        try:
+            arr = np.array(values, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{what}: costs must be numeric ({exc})") from exc
     if arr.ndim != ndim:
         raise ValueError(f"{what}: expected a {ndim}-D array, got shape {arr.shape}")
-    if np.isnan(arr).any():
+    least = arr.min() if arr.size else 0.0  # one pass: a NaN anywhere makes it NaN
+    if np.isnan(least):
         raise ValueError(f"{what}: costs contain NaN")
-    if np.isneginf(arr).any():
+    if least == -np.inf:
         raise ValueError(f"{what}: costs contain -inf")
     arr.flags.writeable = False
     return arr

@@ -38,7 +38,9 @@ def resharding_edges(graph: OpGraph, units: list[Unit],
         if a == b:  # both lists are indexed by the same node's strategies
             node_costs[a] += scale * seconds
         elif seconds.any():
-            edges.append((a, b, scale * seconds))
+            matrix = scale * seconds
+            matrix.flags.writeable = False  # the cost graph takes it without a copy
+            edges.append((a, b, matrix))
 
     for u, unit in enumerate(units):
         for i, t in enumerate(unit.inputs):
