@@ -112,8 +112,8 @@ def test_saved_plan_for_another_step_is_refused():
 
 
 def test_plan_abstract_mesh_without_devices():
-    step, state, batch = models.gpt_setup()
-    plan = autopar.plan(step, abstract(state), abstract(batch), mesh={"data": 16, "model": 4})
+    step, state, batch = models.gpt_abstract(batch=8, seq=16)  # nothing made or compiled
+    plan = autopar.plan(step, state, batch, mesh={"data": 16, "model": 4})
     assert dict(plan.mesh) == {"data": 16, "model": 4}
     assert len(plan.inputs) == len(jax.tree_util.tree_leaves((state, batch)))
 
