@@ -7,14 +7,15 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from autopar.cost.estimate import KINDS, Buffer, MemoryEstimate
-from autopar.cost.loop_bodies import body_peak, body_sum
+from autopar.cost.estimate import (KINDS, Buffer, MemoryEstimate, buffer_name, step_name,
+                                   timeline_of)
+from autopar.cost.loop_bodies import body_collectives, body_peak, body_sum, converted_stacks
 from autopar.cost.model import shard_bytes
 from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.trace.analysis import backward_steps, edges, per_graph, recomputed_layer_of
-from autopar.trace.ir import OpGraph, Step
+from autopar.trace.ir import OpGraph
 
 def updated_in_place(graph: OpGraph, specs: dict[int, Spec]) -> set[int]:
     """The returned state that keeps its input's sharding: written into the donated input."""
@@ -279,71 +280,30 @@ class _Walk:
         accumulated gradient's loop is a whole forward and backward pass: see
         schedule/accumulate.py). The loop's own marks are outside `ids`; those among them
         are an inner loop's, whose stacked results (a layer stack's residuals, one per
-        layer, in a microbatch loop) are buffers of the body. Taken for views, a d_model-1024
-        GPT's microbatch loop was estimated at 2,034 MiB a device where XLA CPU compiled
-        3,092 (docs/decisions.md, "Inner loops' results inside a microbatch loop")."""
-        graph = self.graph
-        out, hoisted = self._hoisted_converts()
-        fused = self.model.fused_values(graph) | hoisted
+        layer, in a microbatch loop) are buffers of the body (docs/decisions.md, "Inner
+        loops' results inside a microbatch loop"). Stacks the compiler converts whole before
+        their loops (loop_bodies.converted_stacks) live from the start of the step."""
+        graph, out = self.graph, []
+        fused = self.model.fused_values(graph)
+        if self.model.hoists_slice_converts:
+            stacks, replaced = converted_stacks(
+                graph, self.size, lambda x: self.producer_step.get(x, -1) in self.early | {-1})
+            out = [Buffer(self.begin, max(self.when[i] for i in loops), "temporaries", nbytes,
+                          x, "converted") for x, nbytes, loops in stacks]
+            fused |= replaced
         for i, ids in graph.loop_ops.items():
             if self.model.reuses_in_loops:
-                nbytes = body_peak(graph, ids, fused, self.size, self._body_collectives(ids),
+                held = body_collectives(graph, ids, *self.in_loops, self.size, lambda t, spec:
+                                        self.model.reshard_buffers(graph.tensors[t],
+                                                                   self.specs.get(t), spec,
+                                                                   self.mesh))
+                nbytes = body_peak(graph, ids, fused, self.size, held,
                                    self.model.defers_weight_gradients)
             else:
                 nbytes = body_sum(graph, ids, fused, self.size)
             if nbytes:
                 out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
                                   graph.program[i].outputs[0], "loop"))
-        return out
-
-    def _hoisted_converts(self) -> tuple[list[Buffer], frozenset[int]]:
-        """Where the compiler converts a stacked input once for all its loop's trips (the TPU
-        compiler: a loop body's dtype conversion of its slice of a stacked weight, or of a
-        stack made from inputs alone, becomes one conversion of the whole stack, made at the
-        start of the step and kept until the last loop that reads it): those converted
-        stacks, and the body values they replace (slices of them, read in place)."""
-        if not self.model.hoists_slice_converts:
-            return [], frozenset()
-        graph = self.graph
-        sliced_from = {op.outputs[0]: op.inputs[0] for op in graph.ops
-                       if op.primitive == "scan_slice"}
-        stacks: dict[tuple[int, str], tuple[int, list[int]]] = {}  # -> (bytes, loop steps)
-        replaced = set()
-        for i, ids in graph.loop_ops.items():
-            for k in ids:
-                op = graph.ops[k]
-                x = sliced_from.get(op.inputs[0])
-                if (op.primitive != "convert_element_type" or x is None
-                        or self.producer_step.get(x, -1) not in self.early | {-1}):
-                    continue
-                piece, whole = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
-                nbytes = self.size(x) * whole.nbytes // max(piece.nbytes, 1)
-                stacks.setdefault((x, whole.dtype), (nbytes, []))[1].append(self.when[i])
-                replaced.add(op.outputs[0])
-        out = []
-        for (x, _), (nbytes, loops) in stacks.items():
-            out.append(Buffer(self.begin, max(loops), "temporaries", nbytes, x, "converted"))
-        return out, frozenset(replaced)
-
-    def _body_collectives(self, ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """(first, last place in `ids`, bytes) of what the body's collectives hold: an
-        operand resharded, from its first reader to its last (equal reshardings of one value
-        merged, as outside loops), the collectives' own results at the first; a result
-        reduce-scattered, its partial sums whole at its op."""
-        reshards, scattered = self.in_loops
-        graph, mesh = self.graph, self.mesh
-        readers: dict[tuple[int, Spec], list[int]] = {}
-        out = []
-        for n, k in enumerate(ids):
-            op = graph.ops[k]
-            for j, t in enumerate(op.inputs):
-                if (k, j) in reshards:
-                    readers.setdefault((t, reshards[(k, j)]), []).append(n)
-            out += [(n, n, self.size(t) * scattered[t]) for t in op.outputs if t in scattered]
-        for (t, spec), at in readers.items():
-            gathered, result = self.model.reshard_buffers(graph.tensors[t], self.specs.get(t),
-                                                          spec, mesh)
-            out += [(min(at), max(at), result), (min(at), min(at), gathered)]
         return out
 
     def copies(self) -> tuple[list[Buffer], list[tuple[int, int, int]]]:
@@ -389,40 +349,12 @@ class _Walk:
                 held.append(b)
         held.sort(key=lambda b: -b.nbytes)
         then = [i for i, t in enumerate(self.when) if t == peak_time]
-        where = (_name(graph.program[then[0]], then[0]) if then
+        where = (step_name(graph.program[then[0]], then[0]) if then
                  else "the copies of donated inputs" if peak_time >= 0 else "the start of the step")
         return MemoryEstimate(int(peak), at_peak, where,
-                              tuple((self.describe(b), b.nbytes) for b in held[:5]),
-                              _timeline(series))
-
-    def describe(self, b: Buffer) -> str:
-        """A buffer's name (named only if among the largest at the peak: naming is slow)."""
-        tensors, program = self.graph.tensors, self.graph.program
-        path = tensors[b.tensor].path
-        if b.how == "input":
-            return path or f"input {b.tensor}"
-        if b.how == "loop":
-            i = self.producer_step[b.tensor]
-            return f"the values inside {_name(program[i], i)}"
-        if b.how == "copied":
-            return f"{path or f'input {b.tensor}'} (copied before its update)"
-        if b.how == "converted":
-            return f"{path or f'tensor {b.tensor}'} (converted whole for a loop)"
-        if b.how in ("resharding", "transposing"):
-            return f"{b.how} {path or f'tensor {b.tensor}'} for {_name(program[b.step], b.step)}"
-        made = self.producer_step[b.tensor]
-        name = path or _name(program[made], made)
-        return f"{name} (recomputed)" if b.how == "recomputed" else name
-
-
-TIMELINE_POINTS = 100
-
-
-def _timeline(series: list[int]) -> tuple[tuple[int, int], ...]:
-    """(time, the most live) of each of at most TIMELINE_POINTS equal spans of `series`."""
-    span = max(1, -(-len(series) // TIMELINE_POINTS))
-    return tuple((i + max(range(len(part)), key=part.__getitem__), int(max(part)))
-                 for i in range(0, len(series), span) if (part := series[i:i + span]))
+                              tuple((buffer_name(graph, self.producer_step, b), b.nbytes)
+                                    for b in held[:5]),
+                              timeline_of(series))
 
 
 @per_graph
@@ -448,10 +380,3 @@ def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Ite
         end = max(end, at, *(last.get(o, at) for o in program[r].outputs
                              if o not in materialised))
     return end
-
-
-def _name(step: Step, i: int) -> str:
-    eqn = step.eqn
-    what = eqn.primitive.name if eqn is not None else "copy"
-    source = getattr(getattr(eqn, "source_info", None), "name_stack", None)
-    return f"{what} (step {i}{f', {source}' if str(source or '') else ''})"

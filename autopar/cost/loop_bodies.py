@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 
 Held = tuple[int, int, int]  # (first, last) place in the body's ops, bytes
 
+from autopar.rules.factors import Spec
+from autopar.trace.analysis import per_graph
 from autopar.trace.ir import OpGraph
 
 # The tracer's markers of a loop's carries and slices: views of buffers counted elsewhere. A
@@ -65,8 +67,7 @@ def weight_gradients(graph: OpGraph, ids: tuple[int, ...]) -> list[int]:
     runs them last (measured on a scanned Llama layer's backward body: its MLP's gradients
     and activations stayed live through the attention's backward, for the weight gradients'
     dots after it)."""
-    ops = graph.ops
-    stacked = {op.inputs[0] for op in ops if op.primitive == "scan_stack"}
+    ops, stacked = graph.ops, _stacked(graph)
     readers: dict[int, list[int]] = {}
     for k in ids:
         for t in ops[k].inputs:
@@ -79,3 +80,61 @@ def weight_gradients(graph: OpGraph, ids: tuple[int, ...]) -> list[int]:
             for r in rs)
     return [n for n, k in enumerate(ids)
             if ops[k].primitive == "dot_general" and all(map(leaves, ops[k].outputs))]
+
+
+def body_collectives(graph: OpGraph, ids: tuple[int, ...],
+                     reshards: dict[tuple[int, int], Spec], scattered: dict[int, int],
+                     size: Callable[[int], int],
+                     resharded: Callable[[int, Spec], tuple[int, int]]) -> list[Held]:
+    """What the body's collectives hold (memory.loop_body_collectives says which): an operand
+    resharded, from its first reader to its last (equal reshardings of one value merged, as
+    outside loops), the collectives' own results (`resharded`: gathered, result bytes) at the
+    first; a result reduce-scattered, its partial sums whole at its op."""
+    readers: dict[tuple[int, Spec], list[int]] = {}
+    out = []
+    for n, k in enumerate(ids):
+        op = graph.ops[k]
+        for j, t in enumerate(op.inputs):
+            if (k, j) in reshards:
+                readers.setdefault((t, reshards[(k, j)]), []).append(n)
+        out += [(n, n, size(t) * scattered[t]) for t in op.outputs if t in scattered]
+    for (t, spec), at in readers.items():
+        gathered, result = resharded(t, spec)
+        out += [(min(at), max(at), result), (min(at), min(at), gathered)]
+    return out
+
+
+def converted_stacks(graph: OpGraph, size: Callable[[int], int],
+                     from_inputs: Callable[[int], bool]
+                     ) -> tuple[list[tuple[int, int, list[int]]], frozenset[int]]:
+    """Where the compiler converts a stacked input once for all its loops' trips (the TPU
+    compiler: a loop body's dtype conversion of its slice of a stacked weight, or of a stack
+    made from inputs alone (`from_inputs`), becomes one conversion of the whole stack, kept
+    until the last loop that reads it): (stack, bytes converted, the loop steps reading it)
+    per stack and dtype, and the body values they replace (slices of them, read in place)."""
+    sliced_from = _sliced_from(graph)
+    stacks: dict[tuple[int, str], tuple[int, list[int]]] = {}
+    replaced = set()
+    for i, ids in graph.loop_ops.items():
+        for k in ids:
+            op = graph.ops[k]
+            x = sliced_from.get(op.inputs[0]) if op.inputs else None
+            if op.primitive != "convert_element_type" or x is None or not from_inputs(x):
+                continue
+            piece, whole = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
+            nbytes = size(x) * whole.nbytes // max(piece.nbytes, 1)
+            stacks.setdefault((x, whole.dtype), (nbytes, []))[1].append(i)
+            replaced.add(op.outputs[0])
+    return ([(x, nbytes, loops) for (x, _), (nbytes, loops) in stacks.items()],
+            frozenset(replaced))
+
+
+@per_graph
+def _sliced_from(graph: OpGraph) -> dict[int, int]:
+    """A scanned input's slice -> the stack it is sliced from."""
+    return {op.outputs[0]: op.inputs[0] for op in graph.ops if op.primitive == "scan_slice"}
+
+
+@per_graph
+def _stacked(graph: OpGraph) -> frozenset[int]:
+    return frozenset(op.inputs[0] for op in graph.ops if op.primitive == "scan_stack")

@@ -104,28 +104,30 @@ class Resharding:
         latency, per_byte = self._terms[key]
         return latency + per_byte * tensor.nbytes
 
+    def _numbered(self, spec: Spec) -> int:
+        n = self._number.get(spec)
+        if n is None:
+            n = self._number[spec] = len(self._specs_by_number)
+            self._specs_by_number.append(spec)
+        return n
+
     def _table(self, srcs: list[Spec], dsts: list[Spec]) -> np.ndarray:
         """reshard_terms of every (src, dst), as an array [src, dst, 2]."""
-        number = self._number
-        a = np.array([number.setdefault(x, len(number)) for x in srcs], dtype=np.int64)
-        b = np.array([number.setdefault(x, len(number)) for x in dsts], dtype=np.int64)
-        if len(number) > len(self._known):  # grow the tables, doubling
-            size = max(2 * len(self._known), len(number), 64)
+        a = np.array([self._numbered(x) for x in srcs], dtype=np.int64)
+        b = np.array([self._numbered(x) for x in dsts], dtype=np.int64)
+        if len(self._number) > len(self._known):  # grow the tables, doubling
+            size = max(2 * len(self._known), len(self._number), 64)
             known, terms = np.zeros((size, size), bool), np.zeros((size, size, 2))
             n = len(self._known)
             known[:n, :n], terms[:n, :n] = self._known, self._terms_of
             self._known, self._terms_of = known, terms
-            self._specs_by_number = list(number)
-        elif len(self._specs_by_number) < len(number):
-            self._specs_by_number = list(number)
         block = np.ix_(a, b)
         missing = ~self._known[block]
-        if missing.any():
-            spec = self._specs_by_number
-            for i, j in zip(*np.nonzero(missing)):
-                self._terms_of[a[i], b[j]] = reshard_terms(spec[a[i]], spec[b[j]], self.mesh,
-                                                           self.hw)
-            self._known[block] = True
+        spec = self._specs_by_number
+        for i, j in zip(*np.nonzero(missing)):
+            self._terms_of[a[i], b[j]] = reshard_terms(spec[a[i]], spec[b[j]], self.mesh,
+                                                       self.hw)
+        self._known[block] = True
         return self._terms_of[block]
 
 
