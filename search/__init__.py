@@ -22,7 +22,7 @@ from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
 from . import sharding_propagation as sharding_propagation  # noqa: E402
 from .bounded import solve_bounded
-from .dual import REACHED, dual_bound
+from .dual import REACHED, Reparametrisation, dual_bound, shortlisted
 from .constrained import solve_constrained
 from .brute_force import solve_brute_force
 from .width import largest_table
@@ -35,6 +35,8 @@ __all__ = [
     "CostGraph",
     "CostGraphBuilder",
     "dual_bound",
+    "Reparametrisation",
+    "shortlisted",
     "REACHED",
     "InfeasibleError",
     "largest_table",

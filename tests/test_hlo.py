@@ -66,6 +66,7 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from autopar.cost.hardware import PROFILES
     from autopar.cost.model import reshard_collectives
     from autopar.mesh import mesh_shape
     from autopar.rules.factors import from_partition_spec
@@ -77,7 +78,7 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     compiled = collective_bytes(step.lower(jax.ShapeDtypeStruct((64, 64), "float32"))
                                 .compile().as_text())
     predicted = reshard_collectives(Tensor(0, (64, 64), "float32"), from_partition_spec(
-        P(*src), 2), ((), ()), mesh_shape(axes))
+        P(*src), 2), ((), ()), mesh_shape(axes), PROFILES["cpu"])
     assert compiled == predicted
 
 
@@ -146,6 +147,7 @@ def test_resharding_compiles_to_the_predicted_collectives(sizes, src, dst, capfd
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from autopar.cost.hardware import PROFILES
     from autopar.cost.model import reshard_collectives, reshard_stops
     from autopar.mesh import mesh_shape
     from autopar.rules.factors import from_partition_spec, to_partition_spec
@@ -168,6 +170,7 @@ def test_resharding_compiles_to_the_predicted_collectives(sizes, src, dst, capfd
                                 .compile().as_text())
     predicted = reshard_collectives(Tensor(0, shape, "float32"),
                                     from_partition_spec(P(*src), len(shape)),
-                                    from_partition_spec(P(*dst), len(shape)), mesh_shape(axes))
+                                    from_partition_spec(P(*dst), len(shape)), mesh_shape(axes),
+                                    PROFILES["cpu"])
     assert compiled == predicted
     assert "Involuntary full rematerialization" not in capfd.readouterr().err

@@ -49,8 +49,33 @@ def test_reduce_scatter_variant_moves_half_the_bytes():
     ar = op_time(op, reduce, tensors, MESH, hw)[1] - hw.link_latency
     rs = op_time(op, scatter, tensors, MESH, hw)[1] - hw.link_latency
     assert math.isclose(rs, ar / 2)
-    assert op_collectives(op, scatter, tensors, MESH) == {"reduce-scatter": 8 * 32 * 4 / 2}
+    assert op_collectives(op, scatter, tensors, MESH, hw) == {"reduce-scatter": 8 * 32 * 4 / 2}
     assert "reduce-scatter over ('data',)" in scatter.describe()
+
+
+def test_a_reduce_scatter_over_every_tpu_chip_is_priced_as_the_all_reduce_it_compiles_to():
+    """v5p compiles a reduce-scatter over all of 8 chips or more as an all-reduce of the whole
+    result (tests/test_tpu.py compiles it); over a part of the mesh, or on the CPU, it stays
+    a reduce-scatter."""
+    rule = rule_for("dot_general", [(8, 16), (16, 32)], [(8, 32)],
+                    {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    tensors = [Tensor(0, (8, 16), "float32"), Tensor(1, (16, 32), "float32"),
+               Tensor(2, (8, 32), "float32")]
+    op = Op(0, "dot_general", (0, 1), (2,), {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    whole = 8 * 32 * 4
+    for mesh, n in ((MeshShape(("data",), (8,)), 8), (MESH, 2)):
+        i = rule.operands[0][1]
+        reduce, scatter = [s for s in enumerate_strategies(rule, mesh, scatter=True)
+                           if dict(s.assignment) == {i: ("data",)}][:2]
+        assert scatter.out_specs[0] == (("data",), ()) and scatter.partial_axes == ("data",)
+        for hw in (PROFILES["tpu_v5p"], PROFILES["cpu"]):
+            summed = hw.scatter_by_sum_from > 0 and n == mesh.size
+            got = op_collectives(op, scatter, tensors, mesh, hw)
+            assert got == ({"all-reduce": whole} if summed else {"reduce-scatter": whole / n})
+            assert math.isclose(op_time(op, scatter, tensors, mesh, hw)[1],
+                                op_time(op, reduce, tensors, mesh, hw)[1] if summed else
+                                op_time(op, reduce, tensors, mesh, hw)[1] / 2 +
+                                hw.link_latency / 2)
 
 
 def test_indivisible_dimension_never_split():

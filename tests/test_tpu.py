@@ -22,7 +22,8 @@ import autopar  # noqa: E402
 from autopar.cost.hardware import get_profile, group_link  # noqa: E402
 from autopar.cost.hlo import compiled_memory_bytes  # noqa: E402
 from autopar.cost.loop_bodies import weight_gradients  # noqa: E402
-from autopar.cost.model import MOVED, gathered_by_sum, reshard_time  # noqa: E402
+from autopar.cost.model import (MOVED, gathered_by_sum, reshard_sequence, reshard_time,  # noqa: E402
+                                 scattered_by_sum)
 from autopar.mesh import mesh_shape  # noqa: E402
 from autopar.trace.ir import Tensor  # noqa: E402
 from autopar.trace.tracer import trace  # noqa: E402
@@ -124,6 +125,51 @@ def test_the_cost_model_prices_a_gather_as_the_tpu_compiler_emits_it(topology):
     moved = MOVED["all-reduce" if by_sum else "all-gather"](n) * tensor.nbytes
     assert reshard_time(tensor, (("data",), ()), ((), ()), shape, hw) == pytest.approx(
         link.latency + moved / link.bandwidth)
+
+
+def _kinds(compiled) -> set[str]:
+    text = compiled.as_text()
+    return {k for k in ("all-gather", "all-reduce", "reduce-scatter")
+            if f" {k}(" in text or f" {k}-start(" in text}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology, profile", [("v5p:2x2x1", "tpu_v5p"), ("v5p:2x2x2", "tpu_v5p"),
+                                               ("v5e:2x4", "tpu_v5e"), ("v5e:4x4", "tpu_v5e")])
+def test_a_reduce_scatter_over_every_chip_is_priced_as_the_tpu_compiler_emits_it(topology,
+                                                                                 profile):
+    """From 8 v5p chips (16 v5e) on, the TPU compiler makes a reduce-scatter over every device
+    an all-reduce of the whole result: the profile says so (the cost model's side is in
+    tests/test_rules_cost.py). Results of 256 to 8192 squared all did; below the threshold,
+    a few sizes did too (512 squared on 4 v5p chips), which the profile leaves out."""
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    n = len(devices)
+    mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("data", "model"))
+    both = ("data", "model")
+    scatter = jax.shard_map(
+        lambda x, w: jax.lax.psum_scatter(x.T @ w, both, scatter_dimension=1, tiled=True),
+        mesh=mesh, in_specs=(P(both), P(both)), out_specs=P(None, both), check_vma=False)
+    compiled = jax.jit(scatter).lower(*[jax.ShapeDtypeStruct((8 * n, 2048), jnp.bfloat16)] * 2
+                                      ).compile()
+    by_sum = scattered_by_sum(get_profile(profile), n, mesh_shape(mesh))
+    assert _kinds(compiled) == ({"all-reduce"} if by_sum else {"reduce-scatter"})
+    assert by_sum == (n >= (8 if profile == "tpu_v5p" else 16))
+
+
+@pytest.mark.slow
+def test_gathers_over_two_axes_of_64_chips_are_priced_as_the_one_all_reduce_they_become():
+    """On a (32, 2) mesh of 64 v5p chips, a tensor split over both axes gathered whole is one
+    all-reduce over every chip; XLA CPU gathers it an axis at a time."""
+    devices = topologies.get_topology_desc(topology_name="v5p:4x4x4", platform="tpu").devices
+    mesh = Mesh(np.array(devices).reshape(32, 2), ("data", "model"))
+    compiled = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("data", "model")),
+                       out_shardings=NamedSharding(mesh, P())).lower(
+        jax.ShapeDtypeStruct((1024, 512), jnp.float32)).compile()
+    assert _kinds(compiled) == {"all-reduce"}
+    shape, src = mesh_shape(mesh), (("data",), ("model",))
+    tpu = get_profile("tpu_v5p").gather_by_sum_from
+    assert [k for k, *_ in reshard_sequence(src, ((), ()), shape, tpu)] == ["all-reduce"]
+    assert [k for k, *_ in reshard_sequence(src, ((), ()), shape)] == ["all-gather"] * 2
 
 
 def _scanned_stack_step(params, x):

@@ -63,6 +63,13 @@ class Hardware:
     # 0.0.42.1: v5p 4x4x4 and 4x4x8, v5e 8x8; 32 chips and fewer, or a group of 64 in 128,
     # all-gather; tests/test_tpu.py).
     gather_by_sum_from: int = 0
+    # From this many devices on, a reduce-scatter over every device of the program is an
+    # all-reduce of the whole result, sliced after: twice the bus bytes. 0: never. The TPU
+    # compiler does from 8 chips on v5p and 16 on v5e and v6e, at every size tried (libtpu
+    # 0.0.42.1; 4 and 8 reduce-scatter but for a few sizes; a group of fewer than all devices
+    # reduce-scatters; tests/test_tpu.py). v4 is not measured (its compile-only devices are
+    # cores, not chips), so 0.
+    scatter_by_sum_from: int = 0
 
     def __post_init__(self) -> None:
         rates = {"flops": self.flops, "memory_bandwidth": self.memory_bandwidth,
@@ -114,6 +121,7 @@ class Hardware:
                              "integer")
         return cls(name=name, memory_bytes=memory,
                    gather_by_sum_from=int(body.pop("gather_by_sum_from", 0)),
+                   scatter_by_sum_from=int(body.pop("scatter_by_sum_from", 0)),
                    levels=levels, axis_levels=placed, **numbers,
                    **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
 
@@ -207,14 +215,16 @@ PROFILES: dict[str, Hardware] = {
                "4-chip host (6.25 GB/s per chip: an assumption, measure with your cluster)."),
     "tpu_v5p": Hardware(
         "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
-        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, memory_bytes=95 * 10**9,
+        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=8,
+        memory_bytes=95 * 10**9,
         levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
                "slices taken as v4's data-centre network (an assumption)."),
     "tpu_v5e": Hardware(
         "tpu_v5e", flops=197e12, memory_bandwidth=819e9, link_bandwidth=50e9 * 2,
-        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, memory_bytes=16 * 10**9,
+        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
+        memory_bytes=16 * 10**9,
         levels=(LinkLevel("ici", 256, 100e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, "
                "400 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus (50 GB/s each "
@@ -222,7 +232,8 @@ PROFILES: dict[str, Hardware] = {
                "NICs per 8-chip host (3.125 GB/s per chip)."),
     "tpu_v6e": Hardware(
         "tpu_v6e", flops=918e12, memory_bandwidth=1638e9, link_bandwidth=100e9 * 2,
-        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, memory_bytes=32 * 10**9,
+        link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
+        memory_bytes=32 * 10**9,
         levels=(LinkLevel("ici", 256, 200e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s bf16, 32 GB HBM at "
                "1,638 GB/s, 800 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus "

@@ -139,6 +139,9 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
     for t, s in zip(op.outputs, strategy.out_specs):
         for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
             n, link = group_size(mesh, axes), group_link(hw, mesh, tuple(axes))
+            if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
+                comm += all_reduce(held * n, n, link)
+                continue
             if kind == "reduce-scatter":
                 comm += reduce_scatter(held * n, n, link)
                 continue
@@ -267,14 +270,31 @@ def reshard_stops(src: Spec, dst: Spec) -> tuple[Spec, ...]:
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape
+def reshard_sequence(src: Spec, dst: Spec, mesh: MeshShape, gather_by_sum_from: int = 0
                      ) -> tuple[tuple[str, int, float, int, tuple[str, ...]], ...]:
     """The collectives that turn `src` sharding into `dst`, in XLA's order, each as (kind,
     devices in its group, its result's share of the tensor on one device, the dimension an
     all-gather concatenates or -1, the mesh axes of its group): those of each step between
-    the stops the lowering constrains to (`reshard_stops`)."""
+    the stops the lowering constrains to (`reshard_stops`). `gather_by_sum_from`: the
+    platform's Hardware.gather_by_sum_from (see `_summed_gathers`)."""
     ends = (src, *reshard_stops(src, dst), dst)
-    return tuple(c for a, b in zip(ends, ends[1:]) for c in _direct_sequence(a, b, mesh))
+    return tuple(c for a, b in zip(ends, ends[1:])
+                 for c in _summed_gathers(_direct_sequence(a, b, mesh), mesh, gather_by_sum_from))
+
+
+def _summed_gathers(steps: tuple, mesh: MeshShape, gather_by_sum_from: int) -> tuple:
+    """`steps` of one resharding, where gathers over several dimensions that together span
+    every device of a large enough program are one all-reduce of the gathered result: the TPU
+    compiler (libtpu 0.0.42.1) merges them into one gather over all devices, made by a sum.
+    On v5p 4x4x4 as (32, 2), (16, 4) and (8, 8), `P('data', 'model')` to `P()` compiles to
+    one all-reduce of the whole tensor; XLA CPU gathers axis by axis (tests/test_tpu.py)."""
+    gathered = [step for step in steps if step[0] == "all-gather"]
+    if (len(gathered) < 2 or len(gathered) != len(steps)
+            or not 0 < gather_by_sum_from <= mesh.size
+            or math.prod(step[1] for step in gathered) != mesh.size):
+        return steps
+    axes = tuple(a for step in gathered for a in step[4])
+    return (("all-reduce", mesh.size, gathered[-1][2], -1, axes),)
 
 
 def _direct_sequence(src: Spec, dst: Spec, mesh: MeshShape
@@ -318,13 +338,13 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[
     every tensor.
     """
     latency = per_byte = 0.0
-    for kind, n, share, dim, axes in reshard_sequence(src, dst, mesh):
+    for kind, n, share, dim, axes in reshard_sequence(src, dst, mesh, hw.gather_by_sum_from):
         link = group_link(hw, mesh, axes)
         latency += link.latency
         # Gathering step by step moves the bytes one all-gather over all the axes would.
         if kind == "collective-permute":  # every device receives its whole new shard
             per_byte += share / link.bandwidth
-        elif kind == "all-gather" and gathered_by_sum(hw, n, mesh):
+        elif kind == "all-reduce" or kind == "all-gather" and gathered_by_sum(hw, n, mesh):
             per_byte += MOVED["all-reduce"](n) * share / link.bandwidth
         else:
             per_byte += (n - 1) / (2 * n if kind == "all-to-all" else n) * share / link.bandwidth
@@ -344,24 +364,35 @@ def gathered_by_sum(hw: Hardware, n: int, mesh: MeshShape) -> bool:
     return 0 < hw.gather_by_sum_from <= n == mesh.size
 
 
-def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape
+def scattered_by_sum(hw: Hardware, n: int, mesh: MeshShape) -> bool:
+    """Whether `hw`'s compiler makes a reduce-scatter over `n` devices of `mesh` an all-reduce
+    of the whole result (over every device of a large enough program:
+    Hardware.scatter_by_sum_from)."""
+    return 0 < hw.scatter_by_sum_from <= n == mesh.size
+
+
+def reshard_collectives(tensor: Tensor, src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware
                         ) -> dict[str, float]:
     """Bytes of each collective's result on one device when `src` becomes `dst`, by kind: the
-    steps of reshard_sequence, in the units a compiled program's collectives are read in."""
+    steps of reshard_sequence on `hw`'s platform, in the units a compiled program's
+    collectives are read in."""
     out: dict[str, float] = {}
-    for kind, _, share, _, _ in reshard_sequence(src, dst, mesh):
+    for kind, _, share, _, _ in reshard_sequence(src, dst, mesh, hw.gather_by_sum_from):
         out[kind] = out.get(kind, 0.0) + tensor.nbytes * share
     return out
 
 
-def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
-                   ) -> dict[str, float]:
+def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape,
+                   hw: Hardware) -> dict[str, float]:
     """The all-reduce and reduce-scatter bytes (results on one device, per step) the op's
-    partial sums need, and the collective-permute bytes of a shift."""
+    partial sums need on `hw`'s platform, and the collective-permute bytes of a shift."""
     out: dict[str, float] = {}
     for t, s in zip(op.outputs, strategy.out_specs):
         for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
-            if group_size(mesh, axes) > 1:
+            n = group_size(mesh, axes)
+            if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
+                kind, held = "all-reduce", held * n
+            if n > 1:
                 out[kind] = out.get(kind, 0.0) + op.repeat * held
     for _, nbytes in _shifted(op, strategy, tensors, mesh):
         out["collective-permute"] = out.get("collective-permute", 0.0) + op.repeat * nbytes

@@ -82,7 +82,7 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
         key = (signatures[op.id], st)
         if key not in known:
             known[key] = (op_time(op, st, tensors, mesh, hw, facts),
-                          op_collectives(op, st, tensors, mesh))
+                          op_collectives(op, st, tensors, mesh, hw))
         (c, m), collectives = known[key]
         if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
             recompute_s += c
@@ -94,7 +94,7 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
                 move = times * reshard_time(tensors[t], specs[t], need, mesh, hw)
                 if (t, need) not in moved:
                     moved.add((t, need))
-                    count(reshard_collectives(tensors[t], specs[t], need, mesh), times)
+                    count(reshard_collectives(tensors[t], specs[t], need, mesh, hw), times)
                 m += move
                 at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
                 moves.append(Redistribution(
@@ -107,7 +107,7 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
             st.partial_axes, c, m, op.scope, op.backward))
     out_specs = output_specs(graph, decisions, specs)
     for t, move in _returned_state(graph, specs, out_specs, mesh, hw, pinned):
-        count(reshard_collectives(tensors[t], move.from_spec, move.to_spec, mesh))
+        count(reshard_collectives(tensors[t], move.from_spec, move.to_spec, mesh, hw))
         comm += move.cost_s
         moves.append(move)
     return Tally(tuple(records), tuple(moves), out_specs, compute, comm, recompute_s,

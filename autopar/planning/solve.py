@@ -48,6 +48,10 @@ UNTIED_NODE_LIMIT = 400
 # stay 77% away.
 DUAL_SWEEPS = 60
 DUAL_WORK = 2e8
+# The distance above the bounded search's bound (relative) beyond which a plan is looked for
+# in the dual's shortlists too (_shortlisted_by_dual): nearer, there is little to find, and a
+# memory-limited Llama-3-8B in a Python loop on 8x4x8 spent 3.5 s of 38 there.
+SHORTLIST_GAP = 1e-3
 # Mesh axes (of more than one device) up to which recursive_programming builds the whole
 # space's problem for its bound. With three, building it outweighs the search: Llama-3-8B
 # (nn.scan) on 8x4x8 planned in 0.7 s without the bound and 6.0 s with it; on 16x16, 0.7 s
@@ -121,7 +125,8 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
             narrow = kept_problem(problems, ("narrow", tie), lambda: build_problem(
                 graph, mesh, hw, pinned, tie_layers=tie, units=units, narrow=True,
                 memo=problems)).priced(graph, mesh, memory_weight)
-            problem, solution, space = _best_within_bound(problem, narrow, mesh)
+            problem, solution, space = _best_within_bound(problem, narrow, mesh, problems,
+                                                          shortlist=not memory_weight)
     t1 = time.perf_counter()
     stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
     stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
@@ -246,8 +251,8 @@ def exactness(stats: dict) -> dict:
             "exact_for": (TIED_SPACE if tied else "all plans") if proven else None}
 
 
-def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape
-                       ) -> tuple[Problem, search.Solution, str]:
+def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape, problems: dict | None,
+                       shortlist: bool) -> tuple[Problem, search.Solution, str]:
     """The cheapest of several answers when exact tables for the full space do not fit.
 
     A training step's forward and backward passes share activations and parameters, which makes
@@ -261,7 +266,15 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape
     network: 2.52 ms predicted in the full space, 1.05 in the narrow one). On meshes of three
     axes or more, bounded elimination also runs with each pair of neighbouring axes taken as
     one (`paired_within`): the smaller space of a mesh of one axis fewer, where it loses less.
-    The cheapest wins, and the bound says how far from optimal it can be."""
+    With `shortlist`, where the cheapest of these is over SHORTLIST_GAP above the bound, the
+    dual's reparametrised costs shortlist each node's strategies, and the narrowed problem is
+    solved exactly (`_shortlisted_by_dual`). The cheapest wins, and the higher of the two
+    bounds says how far from optimal it can be.
+
+    Not under a memory price: the price charges the bytes a plan keeps, not its peak, and the
+    shortlists find plans keeping fewer bytes with more temporaries at the peak. Llama-2-7B on
+    (32, 2) within 4.89 GiB found no plan fitting (the leanest estimated at 5.71 GiB) where
+    the searches above fit one (4.47 GiB)."""
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
     candidates = [(full, bounded, "full"), (full, rounds_within(full, mesh), "one axis at a time"),
                   (full, merged_within(full, mesh), "all axes as one"),
@@ -272,15 +285,45 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape
     paired = [(full, paired_within(full, pair, BOUNDED_TABLE_LIMIT),
                f"axes {pair[0]!r} and {pair[1]!r} as one") for pair in adjacent_pairs(mesh)]
     problem, best, space = min(candidates + paired, key=lambda c: c[1].cost)
-    bound = bounded.stats["lower_bound"]
+    dual_bound, dual, guided = -math.inf, {}, None
+    if shortlist and best.cost > bounded.stats["lower_bound"] * (1 + SHORTLIST_GAP):
+        dual_bound, dual, guided = _shortlisted_by_dual(full, problems)
+        if guided is not None and guided.cost < best.cost:
+            problem, best, space = full, guided, "shortlisted by the dual"
+    bound = max(bounded.stats["lower_bound"], dual_bound)
     gap = 0.0 if best.cost <= bound else (best.cost - bound) / best.cost
-    stats = {**best.stats, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
+    stats = {**best.stats, **dual, "exact": gap <= 1e-12, "lower_bound": bound, "gap": gap,
              "bounded_elimination_s": bounded.cost, "one_axis_at_a_time_s": candidates[1][1].cost,
              "all_axes_as_one_s": candidates[2][1].cost,
              "narrow_s": min(candidates[3][1].cost, candidates[4][1].cost)}
     if paired:
         stats["axes_paired_s"] = min(c[1].cost for c in paired)
+    if guided is not None:
+        stats["shortlisted_s"] = guided.cost
+    if dual_bound > bounded.stats["lower_bound"]:
+        stats["bound"] = "dual"
     return problem, search.Solution(best.choice, best.cost, stats), space
+
+
+def _shortlisted_by_dual(full: Problem, problems: dict | None
+                         ) -> tuple[float, dict[str, Any], search.Solution | None]:
+    """(the dual bound of `full`, its stats, the plan `search.shortlisted` finds from it).
+    Min-sum diffusion starts where the last one on these edges stopped (kept in `problems`,
+    as `with_dual_bound` keeps it, which goes on from here). On a bounded problem its
+    shortlist finds plans the restrictions above miss: Llama-2-7B (32 layers in one scan) on
+    v5p's (32, 2) was planned at 910.2 ms, one axis at a time, where the shortlists find
+    868.8 against a bound of 867.8 (docs/decisions.md, "Plans from the dual")."""
+    edges = full.graph.edges
+    kept = (problems or {}).get("dual")
+    start = kept[1] if kept is not None and kept[0] is edges else None
+    # From an earlier memory round's reparametrisation, a few sweeps re-balance the new node
+    # costs (the rounds of a memory-limited plan differ in node costs alone).
+    sweeps = DUAL_SWEEPS if start is None else DUAL_SWEEPS // 6
+    bound, stats, reached = search.dual_bound(full.graph, work=DUAL_WORK, max_sweeps=sweeps,
+                                              start=start)
+    if problems is not None:
+        problems["dual"] = (edges, reached)
+    return bound, stats, search.shortlisted(full.graph, reached)
 
 
 def _propagate(problem: Problem, pinned: dict[int, Spec]) -> tuple[Problem, search.Solution]:
