@@ -112,8 +112,9 @@ def _bound(node: list[np.ndarray], edges: list[np.ndarray]) -> float:
     return total if not math.isnan(total) else -math.inf
 
 
-def shortlisted(graph: CostGraph, reached: Reparametrisation, sizes: tuple[int, ...] = (2, 3, 4, 6),
-                max_factor_size: float = 1e6) -> Solution | None:
+def shortlisted(graph: CostGraph, reached: Reparametrisation,
+                sizes: tuple[int, ...] = (2, 3, 4, 6), max_factor_size: float = 1e6
+                ) -> Solution | None:
     """The cheapest plan over `graph` (on its true costs) among those solved exactly with each
     node keeping only its `k` strategies of least reparametrised cost, for each `k` of `sizes`
     whose tables stay within `max_factor_size`; None where none does. `reached`: `dual_bound`'s
@@ -142,7 +143,7 @@ def shortlisted(graph: CostGraph, reached: Reparametrisation, sizes: tuple[int, 
         if best is None or cost < best.cost:
             best = Solution(choice, cost, {"shortlist": k})
     if best is not None:
-        best.stats["shortlist_s"] = time.perf_counter() - began
+        best.stats["shortlist_seconds"] = time.perf_counter() - began
     return best
 
 

@@ -22,8 +22,8 @@ import autopar  # noqa: E402
 from autopar.cost.hardware import get_profile, group_link  # noqa: E402
 from autopar.cost.hlo import compiled_memory_bytes  # noqa: E402
 from autopar.cost.loop_bodies import weight_gradients  # noqa: E402
-from autopar.cost.model import (MOVED, gathered_by_sum, reshard_sequence, reshard_time,  # noqa: E402
-                                 scattered_by_sum)
+from autopar.cost.model import (  # noqa: E402
+    MOVED, gathered_by_sum, reshard_sequence, reshard_time, scattered_by_sum)
 from autopar.mesh import mesh_shape  # noqa: E402
 from autopar.trace.ir import Tensor  # noqa: E402
 from autopar.trace.tracer import trace  # noqa: E402

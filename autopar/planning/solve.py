@@ -274,7 +274,7 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape, problems
     Not under a memory price: the price charges the bytes a plan keeps, not its peak, and the
     shortlists find plans keeping fewer bytes with more temporaries at the peak. Llama-2-7B on
     (32, 2) within 4.89 GiB found no plan fitting (the leanest estimated at 5.71 GiB) where
-    the searches above fit one (4.47 GiB)."""
+    the searches above fit one (estimated at 4.47 GiB)."""
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
     candidates = [(full, bounded, "full"), (full, rounds_within(full, mesh), "one axis at a time"),
                   (full, merged_within(full, mesh), "all axes as one"),
