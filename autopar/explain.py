@@ -16,7 +16,7 @@ from typing import Any, Callable
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, MemoryLimitError
-from autopar.cost.model import reshard_sequence
+from autopar.cost.resharding import reshard_sequence
 from autopar.mesh import mesh_shape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import to_partition_spec

@@ -34,7 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.cost.model import partial_split, reshard_stops
+from autopar.cost.model import partial_split
+from autopar.cost.resharding import reshard_stops
 from autopar.lower_loop import pinnable_loop, remat_inputs, run_loop, sharded_inside
 from autopar.plan import Decisions
 from autopar.rules.factors import Spec, Strategy, to_partition_spec

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from autopar.cost.estimate import mib
-from autopar.cost.model import reshard_sequence
+from autopar.cost.resharding import reshard_sequence
 from autopar.explain import partial_sums
 from autopar.mesh import mesh_shape
 from autopar.plan import Plan

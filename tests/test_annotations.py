@@ -300,7 +300,7 @@ def test_an_axis_moving_while_another_leaves_compiles_without_xla_warnings(capfd
     {a: 2, b: 4} reduce-scatters the output projection's gradient over ('a', 'b') on its last
     dimension and reads it split over 'a' on its first. Given those two ends XLA gathered the
     whole tensor, logging "Involuntary full rematerialization"; the lowering now gathers 'b'
-    and then moves 'a' (cost.model.reshard_stops). The step stays equal to one device."""
+    and then moves 'a' (cost.resharding.reshard_stops). The step stays equal to one device."""
     import fuzz_models
 
     spec = fuzz_models.Spec(batch=16, seq=8, width=8, heads=2, inputs="tokens",

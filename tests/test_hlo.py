@@ -67,7 +67,7 @@ def test_gathering_two_sharded_dimensions_counts_one_all_gather_per_dimension(sr
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from autopar.cost.hardware import PROFILES
-    from autopar.cost.model import reshard_collectives
+    from autopar.cost.resharding import reshard_collectives
     from autopar.mesh import mesh_shape
     from autopar.rules.factors import from_partition_spec
     from autopar.trace.ir import Tensor
@@ -94,7 +94,7 @@ def test_every_resharding_of_a_matrix_compiles_without_xla_warnings(capfd):
     import numpy as np
     from jax.sharding import NamedSharding
 
-    from autopar.cost.model import reshard_stops
+    from autopar.cost.resharding import reshard_stops
     from autopar.rules.factors import to_partition_spec
     names = ("a", "b")
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), names)
@@ -148,7 +148,7 @@ def test_resharding_compiles_to_the_predicted_collectives(sizes, src, dst, capfd
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from autopar.cost.hardware import PROFILES
-    from autopar.cost.model import reshard_collectives, reshard_stops
+    from autopar.cost.resharding import reshard_collectives, reshard_stops
     from autopar.mesh import mesh_shape
     from autopar.rules.factors import from_partition_spec, to_partition_spec
     from autopar.trace.ir import Tensor

@@ -6,8 +6,8 @@ from jax.sharding import PartitionSpec as P
 
 from autopar.cost import PROFILES
 from autopar.cost.hardware import Link, group_link
-from autopar.cost.model import (all_gather, all_reduce, all_to_all, op_collectives, op_time,
-                                reshard_time)
+from autopar.cost.model import all_gather, all_reduce, all_to_all, op_collectives, op_time
+from autopar.cost.resharding import reshard_time
 from autopar.mesh import MeshShape
 from autopar.rules import enumerate_strategies, follow, rule_for, to_partition_spec
 from autopar.trace.ir import Op, Tensor

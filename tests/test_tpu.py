@@ -22,8 +22,9 @@ import autopar  # noqa: E402
 from autopar.cost.hardware import get_profile, group_link  # noqa: E402
 from autopar.cost.hlo import compiled_memory_bytes  # noqa: E402
 from autopar.cost.loop_bodies import weight_gradients  # noqa: E402
-from autopar.cost.model import (  # noqa: E402
-    MOVED, gathered_by_sum, reshard_sequence, reshard_time, scattered_by_sum)
+from autopar.cost.model import MOVED, scattered_by_sum  # noqa: E402
+from autopar.cost.resharding import (  # noqa: E402
+    gathered_by_sum, reshard_sequence, reshard_time)
 from autopar.mesh import mesh_shape  # noqa: E402
 from autopar.trace.ir import Tensor  # noqa: E402
 from autopar.trace.tracer import trace  # noqa: E402

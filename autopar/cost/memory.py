@@ -16,7 +16,7 @@ docs/decisions.md has the measurements):
   its own fused chain. The steps that read only inputs run first (after the copies), the
   optimizer's as soon as their inputs are ready.
 - A resharded operand costs, at the operator that needs it, its collectives' results
-  (cost.model.reshard_sequence) and the result; a slice with no collective is made as soon
+  (cost.resharding.reshard_sequence) and the result; a slice with no collective is made as soon
   as its value is, which is then freed unless read whole, and so is an activation resharded
   and transposed for the weight gradient. A dot or convolution whose dimensions XLA reorders
   costs a transposed copy of the operands it reorders.

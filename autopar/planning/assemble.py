@@ -8,8 +8,8 @@ from autopar.cost.hardware import Hardware
 from autopar.cost.estimate import MemoryEstimate
 from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.facts import op_signatures, value_facts
-from autopar.cost.model import (op_collectives, op_time, reshard_collectives,
-                                reshard_time, shard_bytes)
+from autopar.cost.model import op_collectives, op_time, shard_bytes
+from autopar.cost.resharding import reshard_collectives, reshard_time
 from autopar.cost.xla import BufferModel, buffer_model
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, OpDecision, Plan, Redistribution, TensorPlan

@@ -9,7 +9,8 @@ import numpy as np
 
 from autopar.cost.facts import value_facts
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_time, reshard_terms
+from autopar.cost.model import op_time
+from autopar.cost.resharding import reshard_terms
 from autopar.mesh import MeshShape
 from autopar.rules import Spec, Strategy
 from autopar.trace.ir import OpGraph, Tensor

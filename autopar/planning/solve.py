@@ -312,7 +312,8 @@ def _shortlisted_by_dual(full: Problem, problems: dict | None
     as `with_dual_bound` keeps it, which goes on from here). On a bounded problem its
     shortlist finds plans the restrictions above miss: Llama-2-7B (32 layers in one scan) on
     v5p's (32, 2) was planned at 910.2 ms, one axis at a time, where the shortlists find
-    868.8 against a bound of 867.8 (docs/decisions.md, "Plans from the dual")."""
+    868.8 against a bound of 867.8 (before the TPU compiler's sums were priced;
+    docs/decisions.md, "Plans from the dual")."""
     edges = full.graph.edges
     kept = (problems or {}).get("dual")
     start = kept[1] if kept is not None and kept[0] is edges else None

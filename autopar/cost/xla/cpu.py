@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from autopar.cost.model import fused_values as fusible_values
-from autopar.cost.model import group_size, reshard_sequence, shard_bytes
+from autopar.cost.model import group_size, shard_bytes
+from autopar.cost.resharding import reshard_sequence
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
@@ -131,7 +132,7 @@ def reshard_buffers(tensor: Tensor, src: Spec | None, dst: Spec, mesh: MeshShape
     (`into_fusion`: the resharded value's readers) read any layout, so they need no copy. An
     all-to-all over n devices also copies the n - 1 pieces it sends into buffers of their
     own; they are freed before a copy of its result is made. Where the partitioner has no
-    pattern it gathers the whole tensor and slices (see cost.model.reshard_sequence)."""
+    pattern it gathers the whole tensor and slices (see cost.resharding.reshard_sequence)."""
     src = src or replicated(len(tensor.shape))
     result = int(shard_bytes(tensor, dst, mesh))
     steps = reshard_sequence(src, dst, mesh)

@@ -9,7 +9,8 @@ transposes them (a GPU or TPU compiler transposes no more than a canonical layou
 """
 from __future__ import annotations
 
-from autopar.cost.model import fused_values, reshard_sequence, shard_bytes
+from autopar.cost.model import fused_values, shard_bytes
+from autopar.cost.resharding import reshard_sequence
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.cost.xla.cpu import transposed_operands
 from autopar.mesh import MeshShape
