@@ -92,7 +92,8 @@ def _ours(work: Any, devices: list, memory_limit: int | None,
           log: Callable[[str], None]) -> dict[str, Any]:
     """Ours: planned on each mesh of SPLITS, the cheapest predicted compiled."""
     n, t = len(devices), time.perf_counter()
-    planned = []
+    program = "ours" if memory_limit is None else "ours, memory-matched"
+    planned, refused = [], {}
     for split in SPLITS:
         if n % split or split >= n and split > 1:
             continue
@@ -104,16 +105,17 @@ def _ours(work: Any, devices: list, memory_limit: int | None,
             planned.append((step.plan(work.state, work.batch), step, mesh, axes))
         except autopar.AutoparError as e:
             log(f"  ours {axes}: {e}")
+            refused[" x ".join(map(str, axes.values()))] = str(e)[:400]
             continue
         log(f"  ours planned on {axes}: predicted {planned[-1][0].cost['total_s'] * 1e3:.2f} ms")
     if not planned:
-        return {"program": "ours", "error": "no mesh planned", "fits": False}
+        return {"program": program, "error": "no mesh planned", "fits": False,
+                "memory_limit": memory_limit, "refused_by_mesh": refused}
     plan, step, mesh, axes = min(planned, key=lambda p: p[0].cost["total_s"])
     plan_s = time.perf_counter() - t
     t = time.perf_counter()
     compiled = step.lower(work.state, work.batch).compile()
-    row = {"program": "ours" if memory_limit is None else "ours, memory-matched",
-           "mesh": axes, "plan_s": plan_s,
+    row = {"program": program, "mesh": axes, "plan_s": plan_s,
            "predicted_ms_by_mesh": {" x ".join(map(str, a.values())): p.cost["total_s"] * 1e3
                                     for p, _, _, a in planned}, "compile_s": time.perf_counter() - t,
            "estimate_bytes": plan.cost["peak_memory_bytes"],
@@ -140,7 +142,10 @@ def markdown(result: dict[str, Any]) -> str:
         for r in rows:
             mesh = " x ".join(f"{a} {s}" for a, s in r.get("mesh", {}).items())
             if "error" in r:
-                parts.append(f"| {r['program']} | {mesh} | {r['error'][:80]} | | | | | |")
+                within = (f" within {r['memory_limit'] / 2**30:.2f} GiB"
+                          if r.get("memory_limit") else "")
+                parts.append(f"| {r['program']} | {mesh} | {r['error'][:80]}{within} "
+                             "| | | | | |")
                 continue
             est = f"{r['estimate_bytes'] / 2**30:.2f}" if "estimate_bytes" in r else ""
             parts.append(f"| {r['program']} | {mesh} | {r['no_overlap_ms']:.2f} | "
