@@ -178,3 +178,20 @@ def test_device_suite_smoke():
         assert r["measured_ms"] > 0 and r["host_flops"] == r["chip_flops"] > 0
     assert rows[1]["chip_flops"] < rows[0]["chip_flops"]  # an eighth of the batch
     assert "| tiny-mlp | 1/8 |" in device.markdown(result)
+
+
+@pytest.mark.slow
+def test_tpu_suite_names_a_memory_matched_row_that_found_no_plan():
+    """Ours planned within a limit no mesh meets: the row keeps its name and limit, says why
+    each mesh refused, and the table shows it."""
+    from benchmarks import tpu_experts, tpu_models, tpu_suite
+    work = tpu_models.setup("llama-tiny", batch=16, seq=128)
+    row = tpu_suite._ours(work, tpu_experts.tpu_devices("v5e:2x4"), 2**16, lambda line: None)
+    assert row["program"] == "ours, memory-matched" and row["error"] == "no mesh planned"
+    assert row["memory_limit"] == 2**16 and set(row["refused_by_mesh"]) == {"8", "4 x 2",
+                                                                             "2 x 4"}
+    assert all("no plan fits" in why for why in row["refused_by_mesh"].values())
+    case = {"model": "llama-tiny", "overrides": {}, "batch": 16, "seq": 128,
+            "topology": "v5e:2x4", "devices": 8, "rows": [row]}
+    table = tpu_suite.markdown({"cases": {"tiny": case}})
+    assert "| ours, memory-matched |  | no mesh planned within 0.00 GiB |" in table
