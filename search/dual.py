@@ -141,7 +141,8 @@ def shortlisted(graph: CostGraph, reached: Reparametrisation,
                            for w, m, c in zip(widest, keep, answer.choice)], dtype=np.int64)
         cost = graph.total_cost(choice)
         if best is None or cost < best.cost:
-            best = Solution(choice, cost, {"shortlist": k})
+            best = Solution(choice, cost, {"nodes": graph.num_nodes(),
+                                           "edges": graph.num_edges(), "shortlist": k})
     if best is not None:
         best.stats["shortlist_seconds"] = time.perf_counter() - began
     return best

@@ -85,14 +85,17 @@ def test_the_shortlist_finds_the_optimum_where_the_relaxation_is_tight(seed):
 @pytest.mark.parametrize("seed", range(30))
 def test_a_shortlisted_plan_is_costed_on_the_whole_graph(seed):
     """On loopy graphs, with forbidden strategies: its cost is its choice's true cost, never
-    below the optimum; with every strategy kept it is the optimum; with none fitting the
-    table limit, None."""
+    below the optimum, and its stats name the whole graph; with every strategy kept it is the
+    optimum; with none fitting the table limit, None."""
     if (case := loopy_case(seed)) is None:
         return
     g, best = case
     _, _, reached = dual_bound(g, work=1e12)
     found = shortlisted(g, reached, sizes=(1, 2))
     assert found is None or found.cost >= best - 1e-9 * abs(best)
+    # its stats name the graph it searched, as every search's do
+    assert found is None or (found.stats["nodes"], found.stats["edges"]) == (g.num_nodes(),
+                                                                            g.num_edges())
     if found is not None and np.isfinite(found.cost):
         assert found.cost == pytest.approx(g.total_cost(found.choice), rel=1e-12)
     assert shortlisted(g, reached, sizes=(5,)).cost == pytest.approx(best, rel=1e-9)
@@ -152,7 +155,7 @@ def test_the_dual_shortlists_find_the_plan_the_restricted_searches_miss():
     plan = autopar.plan(work.step, work.state, work.batch, mesh={"data": 32, "model": 2},
                         hardware="tpu_v5p", donate_argnums=0)
     stats = plan.search_stats
-    assert stats["space"] == "shortlisted by the dual"
+    assert stats["space"] == "shortlisted by the dual" and stats["nodes"] > 0
     others = [stats[k] for k in ("bounded_elimination_s", "one_axis_at_a_time_s",
                                  "all_axes_as_one_s", "narrow_s")]
     assert stats["objective_s"] == stats["shortlisted_s"] < 0.99 * min(others)
