@@ -159,7 +159,8 @@ def markdown(result: dict[str, Any]) -> str:
     heads = headlines(rows)
     intro = ["Programs compiled for 8 simulated CPU devices and judged by `autopar."
              "evaluate` on each profile (roofline compute from cost_analysis, each collective "
-             "of the HLO on the link of the axes it spans, compiled memory). Experts: `jax.jit` "
+             "of the HLO on the link of the axes it spans, priced by the planner's own collective "
+             "formulas, compiled memory; the TPU suite's judge shares none). Experts: `jax.jit` "
              "with in/out shardings from logical-axis rules (`benchmarks/experts.py`). Ratios "
              "above 1 (bold) are losses. 'dominated by': an expert with fewer collective bytes, "
              f"no more memory and no more flops (within {TOLERANCE:.0%}).", ""]
