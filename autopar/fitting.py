@@ -17,7 +17,9 @@ decides:
   faster than the budget's.
 The plan made with no limit is compiled only where its estimate is close to the limit, or where
 the budget's plan is predicted COSTLY_BUDGET times slower than it: then the compile is worth
-its time.
+its time. dynamic_programming's proof of the budget's answer (planning/budget.py) waits until
+that plan is ruled out: the step is planned without it, and planned again with it, the price
+rounds remembered (Planning.attempts), only where the budget's plan is the one to run.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from autopar.cost.estimate import mib
 from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.judge import evaluate
 from autopar.errors import AutoparError
-from autopar.mesh import MeshShape
+from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Decisions, Plan
 from autopar.planning.pipeline import Planning
 
@@ -49,6 +51,8 @@ COSTLY_BUDGET = 1.25
 # very program of the data-parallel jax.jit (same instructions), compiled to 0.39% more
 # temporaries pinned than propagated.
 NEAR_MISS = 1.02
+# What the schedule's planning (schedule/choice.py, microbatches.py) adds to a plan's stats.
+SCHEDULE_STATS = ("schedules_tried", "microbatches_tried", "reduced_per_microbatch")
 
 Make = Callable[[Decisions, Plan], Any]  # -> the step's signature (with .make_plan)
 Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled)
@@ -58,17 +62,17 @@ def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
            decisions: Decisions, p: Plan, make: Make, compiled_of: Compiled) -> Any:
     """The signature of the plan to run under `memory_limit`, starting from the budgeted
     search's (`decisions`, `p`), compiled where the estimate's error could decide. A plan
-    searched again here keeps what `p` says of the schedules pipeline="auto" weighed."""
+    searched again here keeps what `p` says of the schedules and microbatch counts weighed
+    (SCHEDULE_STATS)."""
     made = _fitted(planning, shape, memory_limit, decisions, p, make, compiled_of)
-    tried = p.search_stats.get("schedules_tried")
-    if tried is not None:
+    weighed = {k: p.search_stats[k] for k in SCHEDULE_STATS if k in p.search_stats}
+    if weighed:
         plan_of = made.make_plan
 
-        def with_tried() -> Plan:
+        def with_weighed() -> Plan:
             q = plan_of()
-            return dataclasses.replace(q, search_stats={**q.search_stats,
-                                                        "schedules_tried": tried})
-        made.make_plan = with_tried
+            return dataclasses.replace(q, search_stats={**q.search_stats, **weighed})
+        made.make_plan = with_weighed
     return made
 
 
@@ -79,6 +83,10 @@ def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
         unbudgeted, scale = _unbudgeted(planning, shape, memory_limit, make, compiled_of, p)
         if unbudgeted is not None:
             return unbudgeted
+        if not planning.prove and planning.search == "dynamic_programming":
+            # the budget's answer is kept: now worth proving (stepper.py put it off)
+            planning.prove, shape = True, mesh_shape(dict(p.mesh))
+            decisions, p = planning.plan(shape, memory_limit)
         if scale > 1:
             scaled = _scaled(planning, shape, memory_limit, scale, p, make, compiled_of)
             if scaled is not None:

@@ -127,9 +127,12 @@ class AutoParallel:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
         def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
                    repeats: int = 1) -> Planning:
-            return Planning.traced(step, call.abstract(), self.hw, self.search,
-                                   self.annotations, call.donated, self.platform, microbatches,
-                                   groups, stages, repeats, self.keep_placement)
+            planning = Planning.traced(step, call.abstract(), self.hw, self.search,
+                                       self.annotations, call.donated, self.platform,
+                                       microbatches, groups, stages, repeats,
+                                       self.keep_placement)
+            planning.prove = False  # until fitted() rules out the plan made with no limit
+            return planning
 
         planning, decisions, p, shape = planned_schedule(
             call, self.microbatches, self.batch_argnums, traced, shape, self.memory_limit,

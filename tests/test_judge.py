@@ -176,12 +176,17 @@ def test_gradient_all_reduces_pay_one_latency_as_xla_combines_them():
 
 
 @pytest.mark.slow
-def test_at_a_data_parallel_experts_memory_autopar_is_no_slower():
+def test_at_a_data_parallel_experts_memory_autopar_is_no_slower(monkeypatch):
     """memory_limit set to what plain data-parallel jax.jit compiles to: autopar's estimate of
     its own unconstrained plan (the same program) reads a few percent over that, and the
     budget used to pick a leaner plan, 2.6x slower. XLA's own figure now decides near the
-    limit: the plan compiles within it and is judged no slower than the expert."""
+    limit: the plan compiles within it and is judged no slower than the expert. The budget's
+    answer, not kept, is not proven (its proofs took 20 of this test's 26 s)."""
     from jax.sharding import PartitionSpec as P
+    from autopar.planning import budget
+    proofs = []
+    real = budget._proven
+    monkeypatch.setattr(budget, "_proven", lambda *a: proofs.append(1) or real(*a))
 
     step, state, batch = models.gpt_setup(batch=16, seq=32, vocab=256, d_model=64, heads=4,
                                           layers=2)
@@ -198,6 +203,7 @@ def test_at_a_data_parallel_experts_memory_autopar_is_no_slower():
     judged = autopar.evaluate(ours, mesh, "h100").step_s
     assert judged <= autopar.evaluate(expert, mesh, "h100").step_s * (1 + 1e-3)
     assert plan.memory["compiled_bytes"] <= limit
+    assert "memory_price_s_per_byte" not in plan.search_stats and not proofs
 
 
 @pytest.mark.slow

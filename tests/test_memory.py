@@ -317,6 +317,8 @@ def test_state_four_times_the_budget_fits_and_trains():
     assert plan.cost["peak_memory_bytes"] <= limit
     assert plan.memory["limit_bytes"] == limit and plan.search_stats["memory_solves"] > 1
     assert plan.search_stats["memory_search_s"] > plan.search_stats["search_s"]
+    # the budget's answer, kept, is proven (stepper.py puts the proof off until it is kept)
+    assert plan.search_stats["exact"] and "kept_budget_bytes" in plan.search_stats
     sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, plan=plan)
     assert compiled_bytes(sharded, state, batch) <= limit
     # the search sharded the optimizer state along the data axis (ZeRO)

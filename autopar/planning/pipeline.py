@@ -49,6 +49,9 @@ class Planning:
     trace_s: float
     units: list[Unit] = field(init=False)
     problems: dict[MeshShape, dict] = field(default_factory=dict)  # built, unpriced, per mesh
+    # Every search's candidate, by (mesh, price, recompute, kept-bytes cap): planning again
+    # (the proofs put off until the unlimited plan is ruled out, fitting.py) repeats none.
+    attempts: dict[tuple, Candidate] = field(default_factory=dict)
     microbatches: int = 1  # the gradient accumulated over this many (autopar.schedule.accumulate)
     microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
     pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
@@ -57,7 +60,8 @@ class Planning:
     lanes: Lanes | None = None  # a Python loop's layers kept stacked (schedule/lanes.py)
     plan_out_tree: Any = None  # the plan's outputs' tree (with `lanes`: the stacked step's)
     # Under a memory limit, dynamic_programming proves the price search's answer where its
-    # tables fit (budget.py); False keeps the prices' answer, found sooner.
+    # tables fit (budget.py); False keeps the prices' answer, found sooner (and proven later,
+    # where fitting.py keeps a budgeted plan).
     prove: bool = True
 
     def __post_init__(self) -> None:
@@ -154,14 +158,19 @@ class Planning:
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:
         """One search at a memory price (budget.Attempt): its decisions, cost and memory."""
+        key = (shape, price, recompute, kept_budget)
+        if key in self.attempts:
+            return self.attempts[key]
         problems = self.problems.setdefault(shape, {})
         progress.update("stage", f"searching ({self.search})")
         decisions, stats = solve(self.graph, shape, self.hw, self.search, pinned, price,
                                  self.units, problems, kept_budget)
         decisions = dataclasses.replace(decisions, recompute=recompute)
         stats["trace_s"] = self.trace_s
-        return Candidate(decisions, tally(self.graph, decisions, shape, self.hw, pinned),
-                         plan_memory(self.graph, decisions, shape, self.buffers), stats)
+        found = self.attempts[key] = Candidate(
+            decisions, tally(self.graph, decisions, shape, self.hw, pinned),
+            plan_memory(self.graph, decisions, shape, self.buffers), stats)
+        return found
 
 
 def traced_stored(again: Callable[[Sequence[int]], OpGraph], graph: OpGraph, stages: int,
