@@ -4,17 +4,21 @@ compilation cache cold, then warm, against `jax.jit` of the same layout restarte
 Each row is one fresh Python process (JAX's start-up included in none of the timings): the
 time to plan (the step's `.plan` of the call), the first call (trace, plan, XLA compile,
 placement), and for `jax.jit` in autopar's layout (the input shardings the cold autopar
-run chose) its first call. `jax.make_jaxpr` of the step in a fresh process
-is what any tracer pays, and what a plan read from the cache cannot avoid.
+run chose) its first call. The warm rows are medians of several processes each, run in
+turn. `jax.make_jaxpr` of the step in a fresh process is what any tracer pays, and what a
+plan read from the cache cannot avoid.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 from typing import Any
+
+WARM_RUNS = 5
 
 SCRIPT = r"""
 import json, os, sys, time
@@ -72,11 +76,18 @@ def run(log: Any = print) -> dict[str, Any]:
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "AUTOPAR_PROGRESS": "0"}
         plan_file = os.path.join(folder, "plan.json")
         rows = {"trace": _run("trace", plan_file, env),
-                "autopar cold": _run("autopar", plan_file, env),
-                "autopar warm": _run("autopar", plan_file, env)}
+                "autopar cold": _run("autopar", plan_file, env)}
         jit_env = {**env, "JAX_COMPILATION_CACHE_DIR": os.path.join(folder, "jax-jit")}
         rows["jax.jit cold"] = _run("jit", plan_file, jit_env)
-        rows["jax.jit warm"] = _run("jit", plan_file, jit_env)
+        # Warm restarts alternate, WARM_RUNS of each, and the medians are kept: one process's
+        # first call varies by 10-20% on this machine, as much as the gap measured.
+        warm: dict[str, list[dict[str, float]]] = {"autopar warm": [], "jax.jit warm": []}
+        for _ in range(WARM_RUNS):
+            warm["autopar warm"].append(_run("autopar", plan_file, env))
+            warm["jax.jit warm"].append(_run("jit", plan_file, jit_env))
+        for name, runs in warm.items():
+            rows[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows[name]["runs"] = len(runs)
     for name, row in rows.items():
         log(f"  {name:14s} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
     return rows
@@ -91,7 +102,9 @@ def markdown(rows: dict[str, Any]) -> str:
         r = rows[name]
         plan = f"{r['plan_s']:.3f}" if "plan_s" in r else ""
         lines.append(f"| {name} | {plan} | {r['first_call_s']:.3f} |")
-    lines += ["", f"- plan read from the cache: {warm['plan_s']:.3f} s (searched: "
+    lines += ["", f"- warm rows: medians of {warm.get('runs', 1)} processes each, "
+              "autopar's and jax.jit's in turn",
+              f"- plan read from the cache: {warm['plan_s']:.3f} s (searched: "
               f"{rows['autopar cold']['plan_s']:.3f} s); `jax.make_jaxpr` of the step alone, "
               f"in a fresh process: {rows['trace']['trace_s']:.3f} s",
               f"- warm restart, autopar over jax.jit in its layout: "
