@@ -23,6 +23,7 @@ class FakePlan:
     cost: dict
     search_stats: dict
     memory: dict = dataclasses.field(default_factory=dict)
+    mesh: tuple = (("data", 8),)
 
 
 # name -> (estimated MiB, predicted seconds): the plan with no limit, one the budget finds only
@@ -33,13 +34,16 @@ PLANS = {"free": (649, 1.42), "mid": (619, 1.42), "lean": (477, 1.59)}
 class Planner:
     """planning.plan(shape, limit) from the table: the fastest plan estimated within `limit`."""
 
-    def __init__(self) -> None:
+    def __init__(self, prove: bool = True) -> None:
         self.buffers = SimpleNamespace(calibrated=True)
         self.hw = None
+        self.search, self.prove = "dynamic_programming", prove
         self.asked: list = []
+        self.proven: list = []  # whether each search proved its answer
 
     def plan(self, shape, limit):
         self.asked.append(limit)
+        self.proven.append(self.prove)
         _, name = min((t, n) for n, (mib, t) in PLANS.items()
                       if limit is None or mib * MiB <= limit)
         mib, t = PLANS[name]
@@ -59,11 +63,12 @@ def compiled_as_tables(monkeypatch):
 JUDGED_MS: dict = {}
 
 
-def run(compiled_mib: dict, judged_ms: dict | None = None, **stats) -> tuple[SimpleNamespace,
-                                                                            Planner]:
+def run(compiled_mib: dict, judged_ms: dict | None = None, prove: bool = True,
+        **stats) -> tuple[SimpleNamespace, Planner]:
     """`compiled_mib`: plan name, or (name, 'propagated') for its loose lowering (default:
-    as pinned) -> MiB; `stats`: more of the first plan's search_stats."""
-    planner = Planner()
+    as pinned) -> MiB; `prove`: whether the planner proves before fitting; `stats`: more of
+    the first plan's search_stats."""
+    planner = Planner(prove)
     decisions, p = planner.plan(None, LIMIT)
     p = dataclasses.replace(p, search_stats={**p.search_stats, **stats})
 
@@ -105,6 +110,16 @@ def test_a_scaled_plan_over_the_limit_leaves_the_budgets():
 def test_an_unbudgeted_plan_that_fits_is_kept():
     made, planner = run({"free": 570, "mid": 553, "lean": 452})
     assert made.decisions.name == "free" and planner.asked == [LIMIT, None]
+
+
+def test_the_budgets_answer_is_proven_only_once_the_unbudgeted_plan_is_ruled_out():
+    made, planner = run({"free": 570, "mid": 553, "lean": 452}, prove=False)
+    assert made.decisions.name == "free" and planner.proven == [False, False]
+    made, planner = run({"free": 583, "mid": 553, "lean": 452}, prove=False,
+                        microbatches_tried=[1, 2])
+    assert made.decisions.name == "mid" and planner.asked[:3] == [LIMIT, None, LIMIT]
+    assert planner.proven[:3] == [False, False, True]
+    assert made.make_plan().search_stats["microbatches_tried"] == [1, 2]
 
 
 def test_a_near_miss_is_lowered_again_with_xla_propagating_the_inside():

@@ -3,6 +3,7 @@ compiler fuses away (no memory traffic), which sums XLA combines into one all-re
 weight gradients, and the values only the step's results read."""
 from __future__ import annotations
 
+from collections import Counter
 from types import MappingProxyType
 
 from autopar.cost.model import ValueFacts, op_signature
@@ -77,3 +78,42 @@ def terminal_values(graph: OpGraph) -> frozenset[int]:
                     for r in readers.get(t, ())):
                 terminal.add(t)
     return frozenset(terminal)
+
+
+SUMS = frozenset({"add", "add_any"})
+
+
+@per_graph  # asked by every build of its problem, and every plan's cost
+def summed_pairs(graph: OpGraph) -> tuple[tuple[int, int], ...]:
+    """Pairs of values (a, b) added next to each other in a sum: `a` the last term of an
+    add's left operand and `b` the first of its right one, where a term is a value summed
+    and read nowhere else, at the add's trip count, the result of a one-result operator
+    other than an add. Where both are partial sums over the same axes, a compiler that
+    reassociates sums (cost.xla.reassociates_sums) reduces them in one collective: a
+    backward pass's input gradient, summed over the projections that read the input (the
+    attention's query, key and value; the MLP's gate and up), all-reduces once."""
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    reads = Counter(t for op in graph.ops for t in op.inputs)
+    reads.update(graph.outputs)
+
+    def inner(t: int) -> Op | None:  # the add that makes `t`, read once: part of the sum
+        op = producer.get(t)
+        return op if op is not None and op.primitive in SUMS and len(op.inputs) == 2 \
+            and reads[t] == 1 else None
+
+    def term(t: int, side: int, repeat: int) -> int | None:
+        while (op := inner(t)) is not None:
+            t = op.inputs[side]
+        op = producer.get(t)
+        if (op is None or op.primitive in SUMS or len(op.outputs) != 1 or reads[t] != 1
+                or op.repeat != repeat):
+            return None
+        return t
+
+    pairs = []
+    for op in graph.ops:
+        if op.primitive in SUMS and len(op.inputs) == 2 and op.inputs[0] != op.inputs[1]:
+            a, b = term(op.inputs[0], 1, op.repeat), term(op.inputs[1], 0, op.repeat)
+            if a is not None and b is not None:
+                pairs.append((a, b))
+    return tuple(pairs)

@@ -135,22 +135,53 @@ def op_time(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSha
     moved += sum(shard_bytes(tensors[t], s, mesh)
                  for t, s in zip(op.outputs, strategy.out_specs) if t not in fused)
     compute = max(flops / hw.flops, moved / hw.memory_bandwidth)
-    comm = 0.0
-    for t, s in zip(op.outputs, strategy.out_specs):
-        for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
-            n, link = group_size(mesh, axes), group_link(hw, mesh, tuple(axes))
-            if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
-                comm += all_reduce(held * n, n, link)
-                continue
-            if kind == "reduce-scatter":
-                comm += reduce_scatter(held * n, n, link)
-                continue
-            comm += all_reduce(held, n, link)
-            if n > 1 and t in facts.combined:
-                comm -= link.latency * (1 - 1 / facts.combined[t])
+    comm = sum(_partial_time(op, strategy, k, tensors, mesh, hw, facts)
+               for k in range(len(op.outputs)))
     for axes, nbytes in _shifted(op, strategy, tensors, mesh):
         comm += collective_time("collective-permute", nbytes, 2, group_link(hw, mesh, axes))
     return compute * op.repeat, comm * op.repeat
+
+
+def _partial_time(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
+                  mesh: MeshShape, hw: Hardware, facts: ValueFacts) -> float:
+    """Seconds of the collectives resolving the partial sums of the op's result `k`, once."""
+    t, s = op.outputs[k], strategy.out_specs[k]
+    comm = 0.0
+    for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
+        n, link = group_size(mesh, axes), group_link(hw, mesh, tuple(axes))
+        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
+            comm += all_reduce(held * n, n, link)
+        elif kind == "reduce-scatter":
+            comm += reduce_scatter(held * n, n, link)
+        else:
+            comm += all_reduce(held, n, link)
+            if n > 1 and t in facts.combined:
+                comm -= link.latency * (1 - 1 / facts.combined[t])
+    return comm
+
+
+def partial_sum(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
+                mesh: MeshShape, hw: Hardware, facts: ValueFacts = ValueFacts()
+                ) -> tuple[tuple, float, dict[str, float]] | None:
+    """How the op's result `k` is summed across devices under `strategy`, per step: (its spec
+    and the collectives' kinds and axes, their seconds, their bytes by kind), or None where
+    it holds no partial sums. Two results of equal first entries are summed alike: a
+    compiler that reassociates sums (cost.xla.reassociates_sums) adds them before one
+    collective."""
+    t, s = op.outputs[k], strategy.out_specs[k]
+    found = [(kind, tuple(axes), held) for kind, axes, held in
+             partial_collectives(op, strategy, tensors[t], s, mesh)
+             if group_size(mesh, axes) > 1]
+    if not found:
+        return None
+    nbytes: dict[str, float] = {}
+    for kind, axes, held in found:
+        n = group_size(mesh, axes)
+        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
+            kind, held = "all-reduce", held * n
+        nbytes[kind] = nbytes.get(kind, 0.0) + op.repeat * held
+    seconds = op.repeat * _partial_time(op, strategy, k, tensors, mesh, hw, facts)
+    return (s, tuple((kind, axes) for kind, axes, _ in found)), seconds, nbytes
 
 
 def _shifted(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape
@@ -214,13 +245,10 @@ def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: 
     """The all-reduce and reduce-scatter bytes (results on one device, per step) the op's
     partial sums need on `hw`'s platform, and the collective-permute bytes of a shift."""
     out: dict[str, float] = {}
-    for t, s in zip(op.outputs, strategy.out_specs):
-        for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
-            n = group_size(mesh, axes)
-            if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
-                kind, held = "all-reduce", held * n
-            if n > 1:
-                out[kind] = out.get(kind, 0.0) + op.repeat * held
+    for k in range(len(op.outputs)):
+        summed = partial_sum(op, strategy, k, tensors, mesh, hw)
+        for kind, nbytes in summed[2].items() if summed else ():
+            out[kind] = out.get(kind, 0.0) + nbytes
     for _, nbytes in _shifted(op, strategy, tensors, mesh):
         out["collective-permute"] = out.get("collective-permute", 0.0) + op.repeat * nbytes
     return out

@@ -7,10 +7,10 @@ from typing import Any, Sequence
 from autopar.cost.hardware import Hardware
 from autopar.cost.estimate import MemoryEstimate
 from autopar.cost.memory import memory_json, plan_memory
-from autopar.cost.facts import op_signatures, value_facts
-from autopar.cost.model import op_collectives, op_time, shard_bytes
+from autopar.cost.facts import op_signatures, summed_pairs, value_facts
+from autopar.cost.model import op_collectives, op_time, partial_sum, shard_bytes
 from autopar.cost.resharding import reshard_collectives, reshard_time
-from autopar.cost.xla import BufferModel, buffer_model
+from autopar.cost.xla import BufferModel, buffer_model, reassociates_sums
 from autopar.mesh import MeshShape
 from autopar.plan import Decisions, OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import Spec, replicated
@@ -78,12 +78,17 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
     facts, signatures = value_facts(graph), op_signatures(graph)
+    merged = _summed_alike(graph, decisions, mesh, hw)
     for op, st in zip(graph.ops, decisions.ops):
         key = (signatures[op.id], st)
         if key not in known:
             known[key] = (op_time(op, st, tensors, mesh, hw, facts),
                           op_collectives(op, st, tensors, mesh, hw))
         (c, m), collectives = known[key]
+        if op.outputs and op.outputs[0] in merged:  # summed with the term before it
+            _, seconds, nbytes = merged[op.outputs[0]]
+            m -= seconds
+            count({kind: -n for kind, n in nbytes.items()})
         if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
             recompute_s += c
             c *= 2
@@ -112,6 +117,26 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
         moves.append(move)
     return Tally(tuple(records), tuple(moves), out_specs, compute, comm, recompute_s,
                  collective_bytes)
+
+
+def _summed_alike(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
+                  ) -> dict[int, tuple]:
+    """The second terms of summed pairs (cost.facts.summed_pairs) that `decisions` sum as the
+    term before them, where the compiler reassociates sums: their collective is the first
+    term's (planning.pricing.summed_edges). Each with its cost.model.partial_sum."""
+    if not reassociates_sums(graph.compiler):
+        return {}
+    made = {t: (op, k) for op in graph.ops for k, t in enumerate(op.outputs)}
+    facts, merged = value_facts(graph), {}
+    for a, b in summed_pairs(graph):
+        (op_a, k_a), (op_b, k_b) = made[a], made[b]
+        summed_a = partial_sum(op_a, decisions.ops[op_a.id], k_a, graph.tensors, mesh, hw,
+                               facts)
+        summed_b = partial_sum(op_b, decisions.ops[op_b.id], k_b, graph.tensors, mesh, hw,
+                               facts)
+        if summed_a and summed_b and summed_a[0] == summed_b[0]:
+            merged[b] = summed_b
+    return merged
 
 
 def _returned_state(graph: OpGraph, specs: dict[int, Spec], out_specs: list[Spec],

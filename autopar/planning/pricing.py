@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autopar.cost.facts import value_facts
+from autopar.cost.facts import summed_pairs, value_facts
 from autopar.cost.hardware import Hardware
-from autopar.cost.model import op_time
+from autopar.cost.model import op_time, partial_sum
 from autopar.cost.resharding import reshard_terms
+from autopar.cost.xla import reassociates_sums
 from autopar.mesh import MeshShape
 from autopar.rules import Spec, Strategy
 from autopar.trace.ir import OpGraph, Tensor
@@ -55,6 +56,56 @@ def resharding_edges(graph: OpGraph, units: list[Unit],
         if t_out in producer and t_in in producer:
             p, k = producer[t_out]
             connect(t_out, (p, "out", k), (producer[t_in][0], "out", 0), 1.0)
+    return edges
+
+
+def summed_edges(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
+                 node_of: list[int], choices: list[list[Strategy]], mesh: MeshShape,
+                 hw: Hardware, memo: dict[tuple, Any], node_costs: list[np.ndarray]
+                 ) -> list[tuple[int, int, np.ndarray]]:
+    """Where the compiler reassociates sums (cost.xla.reassociates_sums), the edges that
+    charge the second term of each summed pair (cost.facts.summed_pairs) its collective only
+    where the first is not summed alike: the two are added first and reduced once. Its
+    node's cost leaves that collective out; the edge (or, within one node, the node's cost)
+    puts it back."""
+    if not reassociates_sums(graph.compiler):
+        return []
+    if "facts" not in memo:
+        memo["facts"] = value_facts(graph)
+
+    def summing(t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per strategy of the unit making `t`: a number for how it sums `t` (-1: it does
+        not) and the seconds that takes."""
+        u, k = producer[t]
+        unit, strategies = units[u], choices[u]
+        key = ("summing", unit.cost_key, id(strategies), k)
+        if key not in memo:
+            found = [partial_sum(unit.op, s, k, graph.tensors, mesh, hw, memo["facts"])
+                     if unit.op is not None else None for s in strategies]
+            kinds = memo.setdefault(("summing kinds",), {})
+            memo[key] = (strategies,
+                         np.array([kinds.setdefault(f[0], len(kinds)) if f else -1
+                                   for f in found]),
+                         np.array([f[1] if f else 0.0 for f in found]))
+        return memo[key][1:]
+
+    edges = []
+    for a, b in summed_pairs(graph):
+        if a not in producer or b not in producer:
+            continue
+        kind_a, _ = summing(a)
+        kind_b, seconds_b = summing(b)
+        if not np.intersect1d(kind_a[kind_a >= 0], kind_b[kind_b >= 0]).size:
+            continue  # never summed alike: b's node keeps its collective, and no edge
+        na, nb = node_of[producer[a][0]], node_of[producer[b][0]]
+        node_costs[nb] -= seconds_b
+        if na == nb:  # one node: strategy i of both units is the node's strategy i
+            node_costs[nb] += np.where((kind_a == kind_b) & (kind_b >= 0), 0.0, seconds_b)
+            continue
+        matrix = np.where((kind_a[:, None] == kind_b[None, :]) & (kind_b[None, :] >= 0),
+                          0.0, seconds_b[None, :])
+        matrix.flags.writeable = False
+        edges.append((na, nb, matrix))
     return edges
 
 

@@ -24,7 +24,7 @@ from autopar.cost.facts import op_signatures, weight_gradients
 from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparWarning
 from autopar.mesh import MeshShape
-from autopar.planning.pricing import Resharding, resharding_edges, unit_costs
+from autopar.planning.pricing import Resharding, resharding_edges, summed_edges, unit_costs
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
                            rule_for)
 from autopar.rules.factors import canonical, strategy
@@ -212,6 +212,8 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                                                  op_costs)
 
     edges = resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs)
+    edges += summed_edges(graph, units, producer, node_of, choices, mesh, hw, op_costs,
+                          node_costs)
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
     return Problem(cost_graph, units, node_of, choices, producer, roots)
