@@ -79,8 +79,9 @@ def run(log: Any = print) -> dict[str, Any]:
                 "autopar cold": _run("autopar", plan_file, env)}
         jit_env = {**env, "JAX_COMPILATION_CACHE_DIR": os.path.join(folder, "jax-jit")}
         rows["jax.jit cold"] = _run("jit", plan_file, jit_env)
-        # Warm restarts alternate, WARM_RUNS of each, and the medians are kept: one process's
-        # first call varies by 10-20% on this machine, as much as the gap measured.
+        # Warm restarts alternate, WARM_RUNS of each, and the medians are kept: jax.jit's warm
+        # first call read 0.529 s in one process and 0.636-0.659 in others on this machine,
+        # more than the gap measured.
         warm: dict[str, list[dict[str, float]]] = {"autopar warm": [], "jax.jit warm": []}
         for _ in range(WARM_RUNS):
             warm["autopar warm"].append(_run("autopar", plan_file, env))

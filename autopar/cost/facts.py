@@ -89,9 +89,9 @@ def summed_pairs(graph: OpGraph) -> tuple[tuple[int, int], ...]:
     add's left operand and `b` the first of its right one, where a term is a value summed
     and read nowhere else, at the add's trip count, the result of a one-result operator
     other than an add. Where both are partial sums over the same axes, a compiler that
-    reassociates sums (cost.xla.reassociates_sums) reduces them in one collective: a
-    backward pass's input gradient, summed over the projections that read the input (the
-    attention's query, key and value; the MLP's gate and up), all-reduces once."""
+    reassociates sums (cost.xla.reassociates_sums) reduces them in one collective. A
+    backward pass's input gradient is such a sum, over the projections that read the input
+    (the attention's query, key and value; the MLP's gate and up)."""
     producer = {t: op for op in graph.ops for t in op.outputs}
     reads = Counter(t for op in graph.ops for t in op.inputs)
     reads.update(graph.outputs)

@@ -70,8 +70,7 @@ def summed_edges(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[in
     puts it back."""
     if not reassociates_sums(graph.compiler):
         return []
-    if "facts" not in memo:
-        memo["facts"] = value_facts(graph)
+    facts = _facts(graph, memo)
 
     def summing(t: int) -> tuple[np.ndarray, np.ndarray]:
         """Per strategy of the unit making `t`: a number for how it sums `t` (-1: it does
@@ -80,7 +79,7 @@ def summed_edges(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[in
         unit, strategies = units[u], choices[u]
         key = ("summing", unit.cost_key, id(strategies), k)
         if key not in memo:
-            found = [partial_sum(unit.op, s, k, graph.tensors, mesh, hw, memo["facts"])
+            found = [partial_sum(unit.op, s, k, graph.tensors, mesh, hw, facts)
                      if unit.op is not None else None for s in strategies]
             kinds = memo.setdefault(("summing kinds",), {})
             memo[key] = (strategies,
@@ -192,15 +191,22 @@ def unit_costs(unit: Unit, strategies: list[Strategy], graph: OpGraph,
     their strategy list.
     """
     op = unit.op
-    if "facts" not in memo:  # once per graph: an equal graph from another trace hashes alike
-        memo["facts"] = value_facts(graph)  # but compares op by op in the cache
+    facts = _facts(graph, memo)
     key = (unit.cost_key, id(strategies))
     if key not in memo:
         known = memo.setdefault((unit.cost_key,), {})  # strategy id -> seconds
         for s in strategies:  # strategies are shared objects, alive for the whole build
             if id(s) not in known:
-                compute, comm = op_time(op, s, graph.tensors, mesh, hw, memo["facts"])
+                compute, comm = op_time(op, s, graph.tensors, mesh, hw, facts)
                 known[id(s)] = compute + comm
         # The entry keeps the list alive, so that its id stays unique.
         memo[key] = (strategies, np.array([known[id(s)] for s in strategies]))
     return memo[key][1]
+
+
+def _facts(graph: OpGraph, memo: dict[tuple, Any]) -> Any:
+    """cost.facts.value_facts of `graph`, kept in `memo` once per graph (an equal graph from
+    another trace hashes alike but compares op by op in value_facts' own cache)."""
+    if "facts" not in memo:
+        memo["facts"] = value_facts(graph)
+    return memo["facts"]
