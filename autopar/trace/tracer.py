@@ -110,13 +110,16 @@ class _Builder:
         return self.tensors[tid].const
 
     def add_op(self, primitive: str, inputs: Sequence[int], outputs: Sequence[int],
-               params: dict, source: str, repeat: int, names: Any = None) -> int:
+               params: dict, source: str, repeat: int, names: Any = None,
+               backward: bool | None = None) -> int:
+        """`backward` (default: whether `names` is inside a transposition) marks the op as
+        part of the backward pass."""
         stack = getattr(names, "stack", ())
         self.ops.append(dict(
             primitive=primitive, inputs=tuple(inputs), outputs=tuple(outputs), params=params,
             source=source, repeat=repeat,
             scope="/".join(e.name for e in stack if type(e).__name__ == "Scope"),
-            backward=any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)))
+            backward=transposed(names) if backward is None else backward))
         return len(self.ops) - 1
 
     # -- the walk ------------------------------------------------------------------------------
@@ -201,6 +204,10 @@ class _Builder:
         xs = inputs[n_const + n_carry:]
         outs = [self.tensor(v.aval) for v in eqn.outvars]
         requires: list = [None] * len(inputs)
+        # The loop's own ops (carry, slice, stack) belong to the pass the scan is in: the
+        # backward scan's slices read the forward pass's stacked activations, and its stacks
+        # are the weight gradients (trace.analysis.roles), whatever scope they keep.
+        backward = transposed(names)
 
         body_const_ids = [self.constant(c, jax.typeof(c)) for c in body_consts]
         carry_in, carry_ops = [], []
@@ -211,7 +218,8 @@ class _Builder:
             carry_in.append(tid)
             # The carry op ties the initial value and the body's carry-out to one sharding; its
             # second operand is filled in once the body has been walked.
-            op = self.add_op("scan_carry", (init,), (tid,), {"length": length}, source, repeat)
+            op = self.add_op("scan_carry", (init,), (tid,), {"length": length}, source, repeat,
+                             backward=backward)
             carry_ops.append(op)
             requires[n_const + i] = (op, 0)
         x_in = []
@@ -220,7 +228,7 @@ class _Builder:
             x_in.append(tid)
             if not self.is_const(x):
                 op = self.add_op("scan_slice", (x,), (tid,), {"reverse": p["reverse"]}, source,
-                                 repeat)
+                                 repeat, backward=backward)
                 requires[n_const + n_carry + i] = (op, 0)
         first_op = len(self.ops)
         body_in = [*consts, *carry_in, *x_in]
@@ -235,13 +243,20 @@ class _Builder:
             if self.is_const(body_out):
                 self._mark_const([out])
             else:
-                self.add_op(kind, (body_out,), (out,), {"length": length}, source, repeat)
+                self.add_op(kind, (body_out,), (out,), {"length": length}, source, repeat,
+                            backward=backward)
         if sink is not None:
             if sink is self.program:
                 self.loop_ops[len(self.program)] = body_ops
             self.loop_bodies[outs[0]] = (tuple(body_steps), tuple(body_in), tuple(body_outs))
             sink.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires), remat))
         return outs
+
+
+def transposed(names: Any) -> bool:
+    """Whether a name stack is inside a transposition: the backward pass."""
+    return any(type(e).__name__ == "Transform" and e.name == "transpose"
+               for e in getattr(names, "stack", ()))
 
 
 def scan_counts(params: dict) -> tuple[int, int]:
