@@ -54,7 +54,8 @@ NEAR_MISS = 1.02
 # What the schedule's planning (schedule/choice.py, microbatches.py) adds to a plan's stats.
 SCHEDULE_STATS = ("schedules_tried", "microbatches_tried", "reduced_per_microbatch")
 
-Make = Callable[[Decisions, Plan], Any]  # -> the step's signature (with .make_plan)
+# -> the step's signature: a dataclass whose `make_plan` field gives the Plan it runs
+Make = Callable[[Decisions, Plan], Any]
 Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled)
 
 
@@ -66,14 +67,14 @@ def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
     (SCHEDULE_STATS)."""
     made = _fitted(planning, shape, memory_limit, decisions, p, make, compiled_of)
     weighed = {k: p.search_stats[k] for k in SCHEDULE_STATS if k in p.search_stats}
-    if weighed:
-        plan_of = made.make_plan
+    if not weighed:
+        return made
+    plan_of = made.make_plan
 
-        def with_weighed() -> Plan:
-            q = plan_of()
-            return dataclasses.replace(q, search_stats={**q.search_stats, **weighed})
-        made.make_plan = with_weighed
-    return made
+    def with_weighed() -> Plan:
+        q = plan_of()
+        return dataclasses.replace(q, search_stats={**q.search_stats, **weighed})
+    return dataclasses.replace(made, make_plan=with_weighed)
 
 
 def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
@@ -110,9 +111,8 @@ def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
         made = make(decisions, p)
         compiled = _compiled(compiled_of, made)[1]
         p = _with_compiled(p, compiled, check + 1)
-        made.make_plan = lambda p=p: p
         if compiled <= memory_limit:
-            return made
+            return dataclasses.replace(made, make_plan=lambda: p)
         if check == COMPILE_CHECKS:
             raise AutoparError(
                 f"the plan estimated at {mib(p.cost['peak_memory_bytes'])} per device "
@@ -161,8 +161,7 @@ def _kept(made: Any, p: Plan, compiled: int, memory_limit: int, checks: int,
     p = _with_compiled(p, compiled, checks)
     p = dataclasses.replace(p, memory={**p.memory, "limit_bytes": memory_limit},
                             search_stats={**p.search_stats, **stats})
-    made.make_plan = lambda: p
-    return made
+    return dataclasses.replace(made, make_plan=lambda: p)
 
 
 def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: Plan,

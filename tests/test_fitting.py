@@ -2,6 +2,7 @@
 planner and the compiler replaced by tables (the figures of the MoE at an expert's memory)."""
 import dataclasses
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import jax
 import pytest
@@ -81,10 +82,16 @@ def run(compiled_mib: dict, judged_ms: dict | None = None, prove: bool = True,
     JUDGED_MS.clear()
     JUDGED_MS.update({m * MiB: ms for m, ms in (judged_ms or {}).items()})
     made = fitting.fitted(planner, (8,), LIMIT, decisions, p,
-                          lambda d, q: SimpleNamespace(decisions=d, make_plan=lambda: q,
-                                                       mesh=None),
-                          compiled)
+                          lambda d, q: Made(d, lambda: q), compiled)
     return made, planner
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """A step's signature as fitting sees it (autopar.stepper._Signature)."""
+    decisions: Any
+    make_plan: Callable
+    mesh: Any = None
 
 
 def test_the_estimate_read_over_xla_scales_the_budget():
