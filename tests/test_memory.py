@@ -584,9 +584,8 @@ def test_a_loops_stacked_residuals_and_weight_gradients_are_kept_bytes():
 
 @pytest.mark.slow
 def test_a_loops_residuals_split_to_fit_train_equal_to_one_device():
-    """A scanned stack within half what its plan made without a limit compiles to (which
-    keeps the loop's residuals whole; here they are split): it trains as on one device, and
-    compiles within the limit."""
+    """A scanned stack planned within half of what its plan made without a limit compiles to
+    trains as on one device, and compiles within the limit."""
     step, state, batch = scanned_stack(batch=1024, width=64)
     mesh = autopar.make_mesh({"data": 2, "model": 4})
     free = autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS)
