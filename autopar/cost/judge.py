@@ -4,19 +4,21 @@
 same way: per-device flops and bytes accessed from `cost_analysis()` as a roofline, every
 collective of the optimised HLO under the profile's alpha-beta for the link its device group
 sits on (its replica groups mapped back to mesh axes), and the memory `memory_analysis()`
-reports. It shares the hardware profile and the collective formulas with the planner, and
-nothing of the planner's per-operator estimates, so it can check them; but a plan optimised
-for those formulas is graded by them too. Comparisons against experts that must not share the
-planner's rules are judged by benchmarks/judge.py (the TPU suite), which imports nothing of
-autopar.
+reports. It shares the hardware profile (peaks, links) with the planner and none of its cost
+formulas: a collective is priced as nccl-tests defines its bus bandwidth (its PERFORMANCE.md:
+time = S x factor / bus bandwidth, S the operation's size, factor 2(n-1)/n for all-reduce,
+(n-1)/n for all-gather, reduce-scatter and all-to-all), plus the link's latency once (a
+profile's latency is that of one collective). Where the planner's formulas differ (it prices
+an all-to-all at half of nccl-tests' figure), a plan made for them is graded by these. The
+TPU suite is judged by benchmarks/judge.py, which imports nothing of autopar and charges a
+latency per step of a ring.
 
 Two things `cost_analysis` leaves out are read from the optimised HLO: the flops and bytes of
 the matrix products and convolutions XLA GPU hands to cuBLAS and cuDNN (autopar.cost.xla.gpu),
 and every trip of a loop after the first (autopar.cost.loop_work; it counts a body once).
 Collectives are counted per trip too.
 
-What it does not see: collectives and compute are taken not to overlap, as the planner takes
-them; kernel launches (a step of many small kernels runs slower than its roofline); and the
+What it does not see: collectives and compute are taken not to overlap; kernel launches (a step of many small kernels runs slower than its roofline); and the
 figures are those of the platform the program was compiled for (simulated CPU devices compile
 through XLA's CPU pipeline, whose fusion and layout differ from GPU and TPU).
 """
@@ -29,11 +31,27 @@ import numpy as np
 
 from autopar.cost.hardware import Hardware, get_profile, group_link
 from autopar.cost.hlo import collectives, compiled_memory_bytes
-from autopar.cost.model import collective_time
 from autopar.cost.loop_work import extra_trips_work
 from autopar.cost.xla.gpu import library_work
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape, mesh_shape
+
+
+# nccl-tests' bus-bandwidth factor per byte of the operation's size S (for n devices; the
+# rest (n-1)/n), and S per byte of the result on one device: a reduce-scatter's S is its
+# input, n results.
+BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "collective-permute": lambda n: 1.0}
+SIZE_PER_RESULT = {"reduce-scatter": lambda n: n}
+
+
+def bus_time(kind: str, result_bytes: float, n: int, link: Any) -> float:
+    """Seconds of one collective of `kind` over `n` devices on `link` (bandwidth, latency),
+    from the bytes of its result on one device, by nccl-tests' definitions (see the module)."""
+    if n <= 1:
+        return 0.0
+    size = SIZE_PER_RESULT.get(kind, lambda k: 1)(n) * result_bytes
+    factor = BUS_FACTOR.get(kind, lambda k: (k - 1) / k)(n)
+    return link.latency + size * factor / link.bandwidth
 
 
 @dataclass(frozen=True)
@@ -129,7 +147,7 @@ def evaluate(compiled: Any, mesh: Any, hardware: str | Hardware | None = None) -
         axes, n = group_axes(c.groups, shape)
         if c.kind == "collective-permute":
             n = 2 if axes else 1  # a pair: one hop on its link
-        one = collective_time(c.kind, c.result_bytes, n, group_link(hw, shape, axes))
+        one = bus_time(c.kind, c.result_bytes, n, group_link(hw, shape, axes))
         judged.append(JudgedCollective(c.kind, c.result_bytes, axes, n, c.executions,
                                        one * c.executions))
     return Evaluation(hw.name, flops, accessed,
