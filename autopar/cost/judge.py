@@ -18,9 +18,10 @@ the matrix products and convolutions XLA GPU hands to cuBLAS and cuDNN (autopar.
 and every trip of a loop after the first (autopar.cost.loop_work; it counts a body once).
 Collectives are counted per trip too.
 
-What it does not see: collectives and compute are taken not to overlap; kernel launches (a step of many small kernels runs slower than its roofline); and the
-figures are those of the platform the program was compiled for (simulated CPU devices compile
-through XLA's CPU pipeline, whose fusion and layout differ from GPU and TPU).
+What it does not see: collectives and compute are taken not to overlap; kernel launches (a
+step of many small kernels runs slower than its roofline); and the figures are those of the
+platform the program was compiled for (simulated CPU devices compile through XLA's CPU
+pipeline, whose fusion and layout differ from GPU and TPU).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.cost.hardware import Hardware, get_profile, group_link
+from autopar.cost.hardware import Hardware, Link, get_profile, group_link
 from autopar.cost.hlo import collectives, compiled_memory_bytes
 from autopar.cost.loop_work import extra_trips_work
 from autopar.cost.xla.gpu import library_work
@@ -44,7 +45,7 @@ BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "collective-permute": lam
 SIZE_PER_RESULT = {"reduce-scatter": lambda n: n}
 
 
-def bus_time(kind: str, result_bytes: float, n: int, link: Any) -> float:
+def bus_time(kind: str, result_bytes: float, n: int, link: Link) -> float:
     """Seconds of one collective of `kind` over `n` devices on `link` (bandwidth, latency),
     from the bytes of its result on one device, by nccl-tests' definitions (see the module)."""
     if n <= 1:
