@@ -157,7 +157,7 @@ def test_unsupported_primitive_warns_and_runs_replicated():
 def test_search_stats_are_honest_about_exactness():
     """One exact plan, and one on three axes where exact tables do not fit: its lower bound
     is below its cost, and the gap between them is the one reported."""
-    step, state, batch = models.gpt_abstract(batch=64, seq=128, vocab=1024, d_model=256,
+    step, state, batch = models.gpt_abstract(batch=32, seq=64, vocab=512, d_model=128,
                                              heads=4, layers=1)
     exact = []
     for mesh in ({"data": 8}, {"data": 2, "model": 2, "inner": 2}):
