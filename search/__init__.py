@@ -21,7 +21,7 @@ from . import brute_force as brute_force  # noqa: E402
 from . import dynamic_programming as dynamic_programming  # noqa: E402
 from . import recursive_programming as recursive_programming  # noqa: E402
 from . import sharding_propagation as sharding_propagation  # noqa: E402
-from .bounded import solve_bounded
+from .bounded import pair_tables, solve_bounded
 from .dual import REACHED, Reparametrisation, dual_bound, shortlisted
 from .constrained import solve_constrained
 from .brute_force import solve_brute_force
@@ -35,6 +35,7 @@ __all__ = [
     "CostGraph",
     "CostGraphBuilder",
     "dual_bound",
+    "pair_tables",
     "Reparametrisation",
     "shortlisted",
     "REACHED",

@@ -23,7 +23,7 @@ from autopar.trace.ir import Op, OpGraph, Tensor
 
 
 def group_size(mesh: MeshShape, axes: Sequence[str]) -> int:
-    return math.prod(mesh.axis_size(a) for a in axes)
+    return math.prod(map(mesh.axis_size, axes))
 
 
 def all_reduce(nbytes: float, n: int, link: Link) -> float:

@@ -20,14 +20,16 @@ def gathers(src: Spec, dropped: Sequence[str], mesh: MeshShape) -> list[tuple[in
     """The all-gathers that drop `dropped` from `src`, as XLA emits them: one per tensor
     dimension losing axes (all its dropped axes at once), the last dimension first; each as
     (the dimension, the factor by which it grows the buffer)."""
-    return [(d, n) for d in reversed(range(len(src)))
-            if (n := group_size(mesh, [a for a in src[d] if a in dropped])) > 1]
+    return [(d, n) for d in reversed(range(len(src))) if src[d]
+            and (n := group_size(mesh, [a for a in src[d] if a in dropped])) > 1]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _changes(src: Spec, dst: Spec) -> tuple[dict, dict, list, list, bool, set]:
     """What a resharding changes: each axis's (dimension, position) in `src` and in `dst`, the
     axes that move (within or across dimensions), those dropped, whether any is added, and
-    the (source, destination) dimension pairs the moving axes cross."""
+    the (source, destination) dimension pairs the moving axes cross. Cached, and so shared:
+    callers read it and never change it."""
     where_src = {a: (d, k) for d, axes in enumerate(src) for k, a in enumerate(axes)}
     where_dst = {a: (d, k) for d, axes in enumerate(dst) for k, a in enumerate(axes)}
     moved = [a for a in where_src if a in where_dst and where_src[a] != where_dst[a]]

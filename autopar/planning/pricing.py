@@ -39,9 +39,9 @@ def resharding_edges(graph: OpGraph, units: list[Unit],
         seconds = reshard.cost(graph.tensors[t], srcs, dsts, paired=a == b)
         if a == b:  # both lists are indexed by the same node's strategies
             node_costs[a] += scale * seconds
-        elif seconds.any():
-            matrix = scale * seconds
-            matrix.flags.writeable = False  # the cost graph takes it without a copy
+        elif seconds.any():  # a new array: scaled in place, and taken without a copy
+            matrix = seconds if scale == 1 else np.multiply(seconds, scale, out=seconds)
+            matrix.flags.writeable = False
             edges.append((a, b, matrix))
 
     for u, unit in enumerate(units):
@@ -153,7 +153,9 @@ class Resharding:
                      else table.take(src_idx, axis=0).take(dst_idx, axis=1))
             self._terms[key] = (table[..., 0], table[..., 1])  # ids of tuples _lists keeps
         latency, per_byte = self._terms[key]
-        return latency + per_byte * tensor.nbytes
+        seconds = per_byte * tensor.nbytes
+        seconds += latency  # in place: an edge of a wide mesh's table has millions of entries
+        return seconds
 
     def _numbered(self, spec: Spec) -> int:
         n = self._number.get(spec)

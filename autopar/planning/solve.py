@@ -171,6 +171,18 @@ def with_dual_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: st
             "exact": gap <= search.REACHED and not price}
 
 
+def _kept_pairs(problem: Problem, problems: dict | None) -> dict:
+    """search.pair_tables of the problem's edges, kept in `problems` for the searches of the
+    same edges at other memory prices (Problem.priced shares them)."""
+    edges = problem.graph.edges
+    kept = problems.get("pairs") if problems is not None else None
+    if kept is None or kept[0] is not edges:
+        kept = (edges, search.pair_tables(problem.graph))
+        if problems is not None:
+            problems["pairs"] = kept
+    return kept[1]
+
+
 def _exact(problem: Problem) -> search.Solution | None:
     """The optimum by exact elimination, None where its tables exceed EXACT_TABLE_LIMIT. The
     width is estimated before eliminating, and the elimination can still meet a wider table
@@ -275,7 +287,8 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape, problems
     shortlists find plans keeping fewer bytes with more temporaries at the peak. Llama-2-7B on
     (32, 2) within 4.89 GiB found no plan fitting (the leanest estimated at 5.71 GiB) where
     the searches above fit one (estimated at 4.47 GiB)."""
-    bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT)
+    bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT,
+                                   pairs=_kept_pairs(full, problems))
     candidates = [(full, bounded, "full"), (full, rounds_within(full, mesh), "one axis at a time"),
                   (full, merged_within(full, mesh), "all axes as one"),
                   (narrow, rounds_within(narrow, mesh), "one axis at a time, weight gradients "
