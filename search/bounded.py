@@ -83,9 +83,8 @@ def solve_bounded(graph: CostGraph, max_factor_size: float = 2e7,
 def pair_tables(graph: CostGraph) -> dict[tuple[int, int], np.ndarray]:
     """The pairwise tables of `graph` summed per pair of nodes (u < v, indexed [u's strategy,
     v's]), new arrays the caller owns. They depend on the edges alone: a graph searched at
-    several node costs (CostGraph.with_node_costs) has the same ones, and summing a wide
-    graph's parallel edges takes seconds (a Python-loop Llama-3-8B on 8 x 4 x 8: 1.4 s a
-    call, 610M entries)."""
+    several node costs (CostGraph.with_node_costs) has the same ones, which a caller may
+    keep rather than sum a wide graph's edges again."""
     pair: dict[tuple[int, int], np.ndarray] = {}
     for u, v, m in graph.edges:
         if u == v:

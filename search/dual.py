@@ -98,14 +98,14 @@ def _diffuse(u: int, node: list[np.ndarray], gained: list[np.ndarray],
     average = (node[u] + sum(least)) / (len(least) + 1)
     live = np.isfinite(average)  # where it is inf, every edge agrees the strategy is forbidden
     everywhere = live.all()
-    own, won = node[u], gained[u]  # arrays of this node alone: updated in place
+    costs, gain = node[u], gained[u]  # arrays of this node alone: updated in place
     for (i, side), m in zip(incident, least):
         delta = m - average
         if not everywhere:
             delta[~live] = 0.0
         edges[i] -= delta[:, None] if side == 0 else delta
-        own += delta
-        won += delta
+        costs += delta
+        gain += delta
 
 
 def _bound(node: list[np.ndarray], edges: list[np.ndarray]) -> float:

@@ -173,7 +173,8 @@ def with_dual_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: st
 
 def _kept_pairs(problem: Problem, problems: dict | None) -> dict:
     """search.pair_tables of the problem's edges, kept in `problems` for the searches of the
-    same edges at other memory prices (Problem.priced shares them)."""
+    same edges at other memory prices (Problem.priced shares them). Held as long as the
+    problems are: the bytes of the summed tables each bounded search built anyway."""
     edges = problem.graph.edges
     kept = problems.get("pairs") if problems is not None else None
     if kept is None or kept[0] is not edges:
