@@ -11,9 +11,10 @@ import jax
 from autopar.calling import Call
 from autopar.cost.hardware import Hardware
 from autopar.cost.xla import buffer_model
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
-from autopar.plan import Decisions, Plan
+from autopar.plan import Plan
 from autopar.planning.assemble import assemble, output_specs, pipeline_detail
 from autopar.planning.saved import decisions_from_plan
 from autopar.rules.factors import Spec

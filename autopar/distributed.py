@@ -24,17 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError
-
-if TYPE_CHECKING:  # the modules that call in here; types only
-    from autopar.calling import Call
-    from autopar.plan import Decisions
 
 MULTIPROCESS_FIX = ("Fix: call the step on every process with the same global shapes, static "
                     "values and options; pass a per-process batch as a global array built by "
@@ -93,15 +90,17 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
-def call_items(call: Call, options: dict[str, Any]) -> list[tuple[str, str]]:
+def call_items(options: dict[str, Any], static: Iterable[tuple[str, Any]],
+               leaves: Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
     """What a call's plan depends on, as (name, description) items: versions, options, static
-    values, and each traced leaf's path, dtype and shape. Built only in several processes."""
+    values (where, value), and each traced leaf (path, value) as its dtype and shape. Built
+    only in several processes."""
     if not multiprocess():
         return []
     items = [("autopar version", _installed_version()), ("jax version", jax.__version__)]
     items += [(f"option {name}", _stable(value)) for name, value in options.items()]
-    items += [(f"static argument {where}", repr(value)) for where, value in call.static]
-    return items + [(path, describe(x)) for path, x in zip(call.paths, call.leaves)]
+    items += [(f"static argument {where}", repr(value)) for where, value in static]
+    return items + [(path, describe(x)) for path, x in leaves]
 
 
 def _installed_version() -> str:

@@ -33,9 +33,10 @@ from autopar import progress
 from autopar.cost.estimate import mib
 from autopar.cost.hlo import compiled_memory_bytes
 from autopar.cost.judge import evaluate
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape, mesh_shape
-from autopar.plan import Decisions, Plan
+from autopar.plan import Plan
 from autopar.planning.pipeline import Planning
 
 CHECK_BAND = 0.85

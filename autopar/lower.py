@@ -36,8 +36,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from autopar.cost.model import partial_split
 from autopar.cost.resharding import reshard_stops
+from autopar.decisions import Decisions
 from autopar.lower_loop import pinnable_loop, remat_inputs, run_loop, sharded_inside
-from autopar.plan import Decisions
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
 from autopar.trace.analysis import backward_steps, recomputed_layer_of

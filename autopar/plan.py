@@ -1,4 +1,8 @@
-"""The Plan: every input, output and operator decision, readable and saved as JSON."""
+"""The Plan: every input, output and operator decision, readable and saved as JSON.
+
+Its views (plan_text, plan_json, explain, plan_html) take a Plan, and its methods call them:
+they are imported when a method is called, the one place autopar imports inside a function
+(tests/test_imports.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,33 +15,14 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.rules.factors import Spec, Strategy, to_partition_spec
+from autopar.rules.factors import Spec, to_partition_spec
 from autopar.schedule.lanes import Lanes
 from autopar.schedule.storable import Storage
-from autopar.trace.ir import OpGraph
-
-
-@dataclass
-class Decisions:
-    """The sharding of every input and the strategy of every op: what lowering needs."""
-
-    inputs: list[Spec]  # per graph input
-    ops: list[Strategy]  # per op id
-    recompute: frozenset[int] = frozenset()  # forward program steps the backward recomputes
-    # False: lowered with the inputs' and outputs' shardings alone, XLA propagating the rest
-    # (fitting._propagated: where that program fits memory_limit and the pinned one does not).
-    pinned_inside: bool = True
-
-    def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
-        """The sharding each tensor has when produced."""
-        specs = {t: s for t, s in zip(graph.inputs, self.inputs)}
-        for op, st in zip(graph.ops, self.ops):
-            specs.update(zip(op.outputs, st.out_specs))
-        return specs
 
 
 # search_stats' wall-clock entries, left out of the JSON and of equality
-WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s", "dual_s"})
+WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s", "dual_s",
+                        "shortlist_seconds"})
 PRICED = {"compute_s", "communication_s", "total_s", "peak_memory_bytes"}  # a cost's parts
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypeVar
 import jax
 import numpy as np
 
+import autopar_search
 from autopar import progress
 from autopar.calling import Call, function_name
 from autopar.errors import AutoparError, AutoparWarning
@@ -144,7 +145,6 @@ def _option_text(value: Any) -> str:
 def _source_fingerprint() -> str:
     """A hash of autopar's and its search's source: plans from other code are other
     entries, whatever the version number says."""
-    import autopar_search
     digest = hashlib.sha256()
     for package in (pathlib.Path(__file__).parent, pathlib.Path(autopar_search.__file__).parent):
         for source in sorted(package.rglob("*.py")):

@@ -13,6 +13,7 @@ from autopar.applying import applied
 from autopar.calling import Call, Conventions, function_name, place, shape_and_dtype
 from autopar.collector import young_objects_only
 from autopar.cost.hardware import Hardware
+from autopar.decisions import Decisions
 from autopar.devices import check_runnable, compiler_platform
 from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
@@ -20,7 +21,7 @@ from autopar.explain import explainable
 from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
-from autopar.plan import Decisions, Plan
+from autopar.plan import Plan
 from autopar.plan_cache import through_cache
 from autopar.planner import plan
 from autopar.planning.pins import Annotations
@@ -89,7 +90,8 @@ class AutoParallel:
         key = call.key() if key is None else key
         if key not in self._cache:
             # several processes: each plans the same program, or all stop here (distributed.py)
-            agree("the step's call", call_items(call, self._options()))
+            agree("the step's call", call_items(self._options(), call.static,
+                                                   zip(call.paths, call.leaves)))
             with young_objects_only(), progress.task(f"planning {function_name(self.fn)}"):
                 self._cache[key] = made = self._make(call)
             agree("the plan made from that call", decisions_items(made.decisions))

@@ -162,6 +162,19 @@ def test_the_dual_shortlists_find_the_plan_the_restricted_searches_miss():
     assert stats["gap"] < 1e-3 and stats["lower_bound"] <= stats["objective_s"]
 
 
+def test_a_plan_shortlisted_by_the_dual_writes_the_same_bytes_each_time():
+    """The shortlists' wall-clock time stays out of the JSON: planned twice, one plan."""
+    import autopar
+    import models
+    step, state, batch = models.gpt_abstract(batch=16, seq=32, vocab=256, d_model=64,
+                                             heads=4, layers=1)
+    made = [autopar.plan(step, state, batch, mesh={"data": 2, "model": 4}, hardware="cpu")
+            for _ in range(2)]
+    assert made[0].search_stats["space"] == "shortlisted by the dual"
+    assert made[0].search_stats["shortlist_seconds"] != made[1].search_stats["shortlist_seconds"]
+    assert made[0].to_json() == made[1].to_json() and made[0] == made[1]
+
+
 def test_the_bound_is_computed_once_a_plan_not_once_a_memory_round(monkeypatch):
     import autopar
     import autopar_search

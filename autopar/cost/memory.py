@@ -30,20 +30,18 @@ gradients, temporaries), with the largest buffers live then.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autopar.cost.estimate import MemoryEstimate
 from autopar.cost.liveness import estimate
 from autopar.cost.model import group_size, partial_split, shard_bytes
 from autopar.cost.xla.buffers import BufferModel
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec
 from autopar.trace.analysis import edges, roles
 from autopar.trace.ir import OpGraph
-
-if TYPE_CHECKING:  # the planner's decisions, read here; plan.py sits above the cost model
-    from autopar.plan import Decisions
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -11,8 +11,9 @@ from autopar.cost.facts import op_signatures, summed_pairs, value_facts
 from autopar.cost.model import op_collectives, op_time, partial_sum, shard_bytes
 from autopar.cost.resharding import reshard_collectives, reshard_time
 from autopar.cost.xla import BufferModel, buffer_model, reassociates_sums
+from autopar.decisions import Decisions
 from autopar.mesh import MeshShape
-from autopar.plan import Decisions, OpDecision, Plan, Redistribution, TensorPlan
+from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.kinds import ROTATE
 from autopar.schedule.ticks import STAGE_AXIS

@@ -22,7 +22,8 @@ import numpy as np
 import autopar_search as search
 from autopar.cost.hardware import Hardware
 from autopar.mesh import MeshShape
-from autopar.planning.problem import (Extension, Problem, Unit, build_problem, kept_problem,
+from autopar.planning.pricing import Unit
+from autopar.planning.problem import (Extension, Problem, build_problem, kept_problem,
                                       make_units)
 from autopar.rules.factors import Spec
 from autopar.trace.ir import OpGraph

@@ -38,9 +38,9 @@ from autopar.cost.estimate import mib
 from autopar.cost.memory import kept_bytes, plan_memory
 from autopar.cost.model import shard_bytes
 from autopar.cost.xla import BufferModel
+from autopar.decisions import Decisions
 from autopar.errors import MemoryLimitError
 from autopar.mesh import MeshShape
-from autopar.plan import Decisions
 from autopar.planning.assemble import Candidate
 from autopar.trace.analysis import layer_steps, recomputed_layers, roles
 from autopar.trace.ir import OpGraph

@@ -15,13 +15,15 @@ from autopar import progress
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError, AutoparWarning
 from autopar.mesh import MeshShape
-from autopar.plan import Decisions, Plan
+from autopar.plan import Plan
 from autopar.planning.assemble import Candidate, assemble, pipeline_detail, tally, written_up
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
-from autopar.planning.problem import Unit, make_units
+from autopar.planning.pricing import Unit
+from autopar.planning.problem import make_units
 from autopar.planning.solve import exactness, solve, with_dual_bound
 from autopar.rules.factors import Spec
 from autopar.schedule.lanes import Lanes, traced_lanes

@@ -3,7 +3,8 @@ resharding of each operand between its producer's strategies and its reader's, p
 per graph and mesh (the tables are shared by every build, see problem.build_problem)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -13,11 +14,22 @@ from autopar.cost.model import op_time, partial_sum
 from autopar.cost.resharding import reshard_terms
 from autopar.cost.xla import reassociates_sums
 from autopar.mesh import MeshShape
-from autopar.rules import Spec, Strategy
-from autopar.trace.ir import OpGraph, Tensor
+from autopar.rules import Rule, Spec, Strategy
+from autopar.trace.ir import Op, OpGraph, Tensor
 
-if TYPE_CHECKING:
-    from autopar.planning.problem import Unit
+
+@dataclass(frozen=True)
+class Unit:
+    """One input tensor or op, as the problem sees it."""
+
+    name: str
+    rule: Rule
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    op: Op | None  # None for an input of the step
+    cost_key: tuple = ()  # cost.model.op_signature of the op
+    tie: int | None = None  # the unit whose strategies it takes (layers.repeated_ties)
+    main: int | None = None  # the operand it follows (main_operand); None: it decides
 
 
 def resharding_edges(graph: OpGraph, units: list[Unit],

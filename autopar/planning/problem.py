@@ -24,7 +24,8 @@ from autopar.cost.facts import op_signatures, weight_gradients
 from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparWarning
 from autopar.mesh import MeshShape
-from autopar.planning.pricing import Resharding, resharding_edges, summed_edges, unit_costs
+from autopar.planning.pricing import (Resharding, Unit, resharding_edges, summed_edges,
+                                     unit_costs)
 from autopar.rules import (Rule, Spec, Strategy, enumerate_strategies, follow, replicated_rule,
                            rule_for)
 from autopar.rules.factors import canonical, strategy
@@ -40,20 +41,6 @@ from autopar.trace.layers import repeated_ties
 # parallelism, and 2x slower at the data-parallel program's memory, where the budget had to
 # choose a leaner plan).
 TIE_PRICE = 1e-18
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One input tensor or op, as the problem sees it."""
-
-    name: str
-    rule: Rule
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    op: Op | None  # None for an input of the step
-    cost_key: tuple = ()  # cost.model.op_signature of the op
-    tie: int | None = None  # the unit whose strategies it takes (layers.repeated_ties)
-    main: int | None = None  # the operand it follows (main_operand); None: it decides
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ import math
 from collections import defaultdict
 from typing import Sequence
 
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError, collect_errors
 from autopar.mesh import MeshShape
-from autopar.plan import Decision, Decisions, OpDecision, Plan, Repeat
+from autopar.plan import Decision, OpDecision, Plan, Repeat
 from autopar.planning.problem import make_units
 from autopar.rules import Spec, Strategy, enumerate_strategies, follow
 from autopar.rules.factors import canonical

@@ -9,13 +9,14 @@ import numpy as np
 
 import autopar_search as search
 from autopar.cost.hardware import Hardware
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
-from autopar.plan import Decisions
 from autopar.planning.axes import (adjacent_pairs, axis_order, merged_within, paired_within,
                                    rounds_within, solve_recursive)
-from autopar.planning.problem import (Problem, Unit, build_problem, kept_problem,
-                                      make_units, untied_node_count)
+from autopar.planning.pricing import Unit
+from autopar.planning.problem import (Problem, build_problem, kept_problem, make_units,
+                                      untied_node_count)
 from autopar.rules.factors import Spec, Strategy, replicated
 from autopar.trace.ir import OpGraph
 from autopar.trace.layers import TIED_SPACE

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
-from autopar.schedule.separable import bind_equation
+from autopar.trace.jaxpr import bind_equation
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 

@@ -25,21 +25,20 @@ why it was left out.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from autopar import progress
 from autopar.calling import Call
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
+from autopar.plan import Plan
+from autopar.planning.pipeline import Planning
 from autopar.schedule.accumulate import batch_size
 from autopar.schedule.ticks import STAGE_AXIS
 from autopar.schedule.microbatches import planned_within
 
-if TYPE_CHECKING:
-    from autopar.plan import Decisions, Plan
-    from autopar.planning.pipeline import Planning
-
-Planned = tuple["Planning", "Decisions", "Plan"]
+Planned = tuple[Planning, Decisions, Plan]
 MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first
 ROUNDS = (2, 4, 8)  # the circular schedule's rounds weighed, fewest first
 

@@ -42,9 +42,10 @@ from autopar.errors import AutoparError
 from autopar.schedule.blocks import chain, find_blocks, hoisted, rolled
 from autopar.schedule.layout import regroup, strided, unstrided
 from autopar.schedule.rotate import rotate
-from autopar.schedule.separable import Separability, bind_equation, eqn_source
+from autopar.schedule.separable import Separability
 from autopar.schedule.ticks import (STAGE_AXIS, drawing_body, lead_mask, passes, per_stage,
                                     shift, stage_layers, stage_step)
+from autopar.trace.jaxpr import bind_equation, eqn_source
 from autopar.trace.shard import shard
 from autopar.trace.tracer import scan_counts
 

@@ -10,7 +10,8 @@ import jax
 from jax.extend.core import Literal
 
 from autopar.schedule.draws import bits_at
-from autopar.schedule.separable import Separability, bind_equation, open_jaxpr
+from autopar.schedule.separable import Separability
+from autopar.trace.jaxpr import bind_equation, open_jaxpr
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import jax
 from jax.sharding import PartitionSpec
@@ -37,13 +37,12 @@ from jax.sharding import PartitionSpec
 from autopar.schedule.accumulate import batch_size, step_of
 from autopar.schedule.ticks import STAGE_AXIS
 from autopar.calling import Call
+from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
-
-if TYPE_CHECKING:  # planning hands its results in through `traced`: types only
-    from autopar.plan import Decisions, Plan
-    from autopar.planning.pipeline import Planning
-    from autopar.trace.ir import OpGraph
+from autopar.plan import Plan
+from autopar.planning.pipeline import Planning
+from autopar.trace.ir import OpGraph
 
 T = TypeVar("T")
 

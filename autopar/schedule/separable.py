@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from autopar.errors import AutoparError
 from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from autopar.schedule.draws import why_not_drawable
+from autopar.trace.jaxpr import eqn_source, open_jaxpr
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
 
 RANDOM_DRAWS = frozenset({"random_bits", "rng_bit_generator", "rng_uniform"})
@@ -311,19 +311,3 @@ def _linear(ef: Any, kinds: list[Kind], where: str) -> tuple[int, ...]:
     return ()
 
 
-def open_jaxpr(jaxpr: Any) -> tuple[Any, list]:
-    if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr, "consts"):
-        return jaxpr.jaxpr, list(jaxpr.consts)
-    return jaxpr, []
-
-
-def eqn_source(eqn: Any) -> str:
-    return source_info_util.summarize(eqn.source_info)
-
-
-def bind_equation(eqn: Any, values: list) -> list:
-    """`eqn`'s primitive bound on `values` in its context: its results. The user's line stays
-    the equation's source (plans and errors name it)."""
-    with eqn.ctx.manager, source_info_util.user_context(eqn.source_info.traceback):
-        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]

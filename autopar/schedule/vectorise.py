@@ -22,10 +22,9 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from autopar.schedule.separable import bind_equation
+from autopar.trace.jaxpr import bind_equation, eqn_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +182,7 @@ def find_lanes(closed: Any, paths: Sequence[tuple], pairs: dict[int, int]
             reader = search.rows.get(("in", f))
             if reader is not None:
                 refused[members[0]] = (f"a layer is read on its own by {reader.primitive.name} "
-                                       f"at {source_info_util.summarize(reader.source_info)}")
+                                       f"at {eqn_source(reader)}")
             elif not _returned_whole(search, members, pairs):
                 refused[members[0]] = "its next value is not computed over the stacks alone"
         if not any(families[f][0] in refused for f in families):

@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from autopar.trace.ir import Op, OpGraph, Step, Tensor
+from autopar.trace.jaxpr import eqn_source, open_jaxpr
 
 # Primitives whose body is inlined: they only group equations, they do not change semantics.
 # JAX 0.10 emits jit, closed_call, call, the custom derivatives' calls (jax.nn.relu, gelu and
@@ -146,13 +146,13 @@ class _Builder:
         for eqn in jaxpr.eqns:
             inputs = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
-            source = source_info_util.summarize(eqn.source_info)
+            source = eqn_source(eqn)
             eqn_names = eqn.source_info.name_stack
             if names is not None:
                 eqn_names = names + eqn_names
             if name in CALL_PRIMITIVES and CALL_PRIMITIVES[name] in eqn.params:
                 inner = eqn.params[CALL_PRIMITIVES[name]]
-                inner_jaxpr, inner_consts = _open(inner)
+                inner_jaxpr, inner_consts = open_jaxpr(inner)
                 const_ids = [self.constant(c, getattr(c, "aval", None) or jax.typeof(c))
                              for c in inner_consts]
                 inside = remat
@@ -197,7 +197,7 @@ class _Builder:
         steps kept apart (OpGraph.loop_bodies). `remat`: the recomputations the scan is
         inside (its step's Step.remat; its body's steps are a scope of their own)."""
         p = eqn.params
-        body, body_consts = _open(p["jaxpr"])
+        body, body_consts = open_jaxpr(p["jaxpr"])
         (n_const, n_carry), length = scan_counts(p), int(p["length"])
         consts = inputs[:n_const]
         carries = inputs[n_const:n_const + n_carry]
@@ -267,12 +267,6 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carries, _ = params["ft_in"].unpack()
     return len(consts), len(carries)
-
-
-def _open(closed_or_open: Any) -> tuple[Any, list]:
-    if hasattr(closed_or_open, "jaxpr") and hasattr(closed_or_open, "consts"):
-        return closed_or_open.jaxpr, list(closed_or_open.consts)
-    return closed_or_open, []
 
 
 def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset(),

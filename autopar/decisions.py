@@ -1,0 +1,28 @@
+"""The planner's decisions: the sharding of every input and the strategy of every operator.
+What the search hands to the cost model's estimates and to lowering, below the Plan record
+that reports them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.rules.factors import Spec, Strategy
+from autopar.trace.ir import OpGraph
+
+
+@dataclass
+class Decisions:
+    """The sharding of every input and the strategy of every op: what lowering needs."""
+
+    inputs: list[Spec]  # per graph input
+    ops: list[Strategy]  # per op id
+    recompute: frozenset[int] = frozenset()  # forward program steps the backward recomputes
+    # False: lowered with the inputs' and outputs' shardings alone, XLA propagating the rest
+    # (fitting._propagated: where that program fits memory_limit and the pinned one does not).
+    pinned_inside: bool = True
+
+    def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
+        """The sharding each tensor has when produced."""
+        specs = {t: s for t, s in zip(graph.inputs, self.inputs)}
+        for op, st in zip(graph.ops, self.ops):
+            specs.update(zip(op.outputs, st.out_specs))
+        return specs
