@@ -3,7 +3,7 @@
 Decorate an ordinary single-device step with `auto_parallel(mesh=...)` and it runs sharded over
 the mesh, with a strategy chosen by search under a cost model, readable as a `Plan`.
 """
-from autopar.schedule.accumulate import grad, value_and_grad
+from autopar.rewrite.accumulate import grad, value_and_grad
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.checkpoint import (checkpoint_plan, latest_checkpoint, restore_checkpoint,
                                 save_checkpoint, wait_for_checkpoints)
@@ -17,7 +17,7 @@ from autopar.preemption import Preemption
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.plan_cache import plan_cache_dir, set_plan_cache_dir
 from autopar.plan_diff import PlanDiff, diff
-from autopar.schedule.stored import Placed, unpack
+from autopar.placement.stored import Placed, unpack
 from autopar.trace.shard import shard
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "grad",

@@ -14,8 +14,8 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan, load_plan
 from autopar.planner import _check_search, plan
 from autopar.planning.pins import Annotations, check_annotations_type
-from autopar.schedule.gpipe import check_pipeline
-from autopar.schedule.microbatches import check_microbatches
+from autopar.rewrite.gpipe import check_pipeline
+from autopar.planning.microbatches import check_microbatches
 from autopar.stepper import AutoParallel
 
 __all__ = ["AutoParallel", "auto_parallel", "plan"]
@@ -56,11 +56,11 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     arguments `batch_argnums`, by default the last, split along their first dimension; "auto":
     the fewest that fit `memory_limit`): the step's `autopar.value_and_grad` (or `grad`) runs
     on one after the other and the rest of the step once, on the sums; a loss that is not a
-    sum over microbatches is refused, naming the operation (schedule/accumulate.py).
+    sum over microbatches is refused, naming the operation (rewrite/accumulate.py).
 
     `pipeline=S` (with `microbatches=M`, on a mesh with a 'stage' axis of size S) runs the
     loss's layer stack (an nn.scan, a lax.scan over stacked weights) as S GPipe stages over
-    the M microbatches in the one program (schedule/gpipe.py); the rest runs once.
+    the M microbatches in the one program (rewrite/gpipe.py); the rest runs once.
     `pipeline_repeats=R` makes it circular: each stage holds R chunks of L/(S R) layers, and
     each microbatch goes round the stages R times (M >= S), so the bubble falls from
     (S-1)/(M+S-1) to (S-1)/(R M+S-1) of a stage's time, at R times the shifts.
@@ -69,12 +69,12 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     Python loop's per-layer leaves stacked on their stages rather than stacked every step:
     the step returns its state as `autopar.Placed` (pass it back as it is;
     `autopar.unpack(state)` gives your tree, with the layers in your order). Off by default:
-    the state you get back is then not your tree until unpacked (schedule/stored.py,
-    schedule/lanes.py).
+    the state you get back is then not your tree until unpacked (placement/stored.py,
+    placement/lanes.py).
     `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
     fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
     each divisor), several microbatch counts and repeats, and keeps the schedule estimated
-    fastest that fits `memory_limit` (schedule/choice.py).
+    fastest that fits `memory_limit` (planning/schedules.py).
     """
     if fn is None:
         return functools.partial(auto_parallel, mesh=mesh, search=search, hardware=hardware,

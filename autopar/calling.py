@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 
 from autopar.distributed import multiprocess, place_everywhere
 from autopar.errors import AutoparError, collect_errors
-from autopar.schedule.lanes import LayerRow
-from autopar.schedule.stored import unwrapped
+from autopar.placement.lanes import LayerRow
+from autopar.placement.stored import unwrapped
 from autopar.trace.tracer import argument_names, path_to_str
 
 
@@ -84,7 +84,7 @@ class Call:
     keyword by name, with their flat leaves and the positions of the donated leaves. A traced
     argument is named, for its paths, after its parameter (argN where it has none) or its
     keyword. An autopar.Placed argument is taken as the tree it wraps (`placed` says where
-    and how it is stored, schedule/stored.py)."""
+    and how it is stored, placement/stored.py)."""
 
     def __init__(self, fn: Callable, conventions: Conventions, args: tuple, kwargs: dict
                  ) -> None:

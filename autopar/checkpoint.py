@@ -31,7 +31,7 @@ import jax
 
 from autopar.errors import AutoparError, AutoparWarning
 from autopar.plan import Plan, load_plan
-from autopar.schedule.stored import unpack
+from autopar.placement.stored import unpack
 from autopar.trace.tracer import path_to_str
 
 PLAN_FILE = "autopar_plan.json"  # where checkpoints of earlier versions kept the plan

@@ -37,7 +37,7 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.pipeline import Planning
+from autopar.planning.driver import Planning
 
 CHECK_BAND = 0.85
 # The TPU model's estimates read 0.93-1.00 of the TPU compiler's peak on the 64-chip suite's
@@ -52,7 +52,7 @@ COSTLY_BUDGET = 1.25
 # very program of the data-parallel jax.jit (same instructions), compiled to 0.39% more
 # temporaries pinned than propagated.
 NEAR_MISS = 1.02
-# What the schedule's planning (schedule/choice.py, microbatches.py) adds to a plan's stats.
+# What the schedule's planning (planning/schedules.py, microbatches.py) adds to a plan's stats.
 SCHEDULE_STATS = ("schedules_tried", "microbatches_tried", "reduced_per_microbatch")
 
 # -> the step's signature: a dataclass whose `make_plan` field gives the Plan it runs

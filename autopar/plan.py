@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
 from autopar.rules.factors import Spec, to_partition_spec
-from autopar.schedule.lanes import Lanes
-from autopar.schedule.storable import Storage
+from autopar.placement.lanes import Lanes
+from autopar.placement.storable import Storage
 
 
 # search_stats' wall-clock entries, left out of the JSON and of equality
@@ -132,15 +132,15 @@ class Plan:
     # the largest buffers then, and the limit planned for
     memory: dict[str, Any] = field(hash=False, default_factory=dict)
     recompute: tuple[str, ...] = ()  # layers the backward pass recomputes
-    microbatches: int = 1  # the gradient accumulated over this many (schedule/accumulate.py)
+    microbatches: int = 1  # the gradient accumulated over this many (rewrite/accumulate.py)
     # each microbatch computed as this many shares, one per device group along the batch's
     # axes, their gradients summed once after the loop (1: reduced in every microbatch)
     microbatch_groups: int = 1
-    pipeline_stages: int = 1  # stages of the loss's layer stack (schedule/gpipe.py)
+    pipeline_stages: int = 1  # stages of the loss's layer stack (rewrite/gpipe.py)
     pipeline_repeats: int = 1  # rounds each microbatch makes through them (circular schedule)
     # the stack's leaves kept in the circular placement between steps (keep_placement=True)
     stored: Storage | None = None
-    # a Python loop's layers kept stacked between steps (keep_placement=True, schedule/lanes.py)
+    # a Python loop's layers kept stacked between steps (keep_placement=True, placement/lanes.py)
     lanes: Lanes | None = None
     # a pipelined plan's stages: their layers and sub-mesh, ticks, bubble, the tick loops'
     # estimated seconds (planning/assemble.pipeline_detail)

@@ -23,8 +23,8 @@ from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, Ten
 from autopar.plan_check import check_axes, check_document
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
-from autopar.schedule.lanes import Lanes
-from autopar.schedule.storable import Storage
+from autopar.placement.lanes import Lanes
+from autopar.placement.storable import Storage
 from autopar.trace.layers import instance_of, layer_key
 
 FORMAT_VERSION = 2
@@ -254,7 +254,7 @@ def stored_from(body: dict[str, Any] | None) -> Storage | None:
 
 def lanes_from(body: dict[str, Any] | None, inputs: tuple) -> Lanes | None:
     """A Python loop's layers kept stacked: the user's flat leaves of each stacked input and
-    output (schedule/lanes.py)."""
+    output (placement/lanes.py)."""
     if not body:
         return None
     return Lanes(tuple(tuple(o) for o in body["inputs"]), tuple(tuple(o) for o in body["outputs"]),

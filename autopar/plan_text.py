@@ -6,7 +6,7 @@ from typing import Any
 
 from autopar.name_ranges import collapse
 from autopar.plan import PRICED, Plan, TensorPlan
-from autopar.schedule.storable import Storage
+from autopar.placement.storable import Storage
 from autopar.trace.layers import layer_key
 
 
@@ -130,7 +130,7 @@ def stored_line(stored: Storage, inputs: tuple[TensorPlan, ...]) -> str:
 
 
 def schedule_line(tried: dict) -> str:
-    """One schedule pipeline='auto' weighed (schedule/choice.py), for the summary."""
+    """One schedule pipeline='auto' weighed (planning/schedules.py), for the summary."""
     stages, m = tried["stages"], tried.get("microbatches")
     if stages == 1:
         name = "no pipeline" + (f", {m} microbatches" if isinstance(m, int) and m > 1 else "")

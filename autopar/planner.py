@@ -15,11 +15,11 @@ from autopar.mesh import MeshShape, mesh_or_count, mesh_shape
 from autopar.plan import Plan
 from autopar.plan_cache import through_cache
 from autopar.planning.pins import Annotations, check_annotations_type
-from autopar.planning.pipeline import Planning
+from autopar.planning.driver import Planning
 from autopar.planning.solve import SEARCHES
-from autopar.schedule.choice import planned_schedule
-from autopar.schedule.gpipe import check_pipeline
-from autopar.schedule.microbatches import check_microbatches
+from autopar.planning.schedules import planned_schedule
+from autopar.rewrite.gpipe import check_pipeline
+from autopar.planning.microbatches import check_microbatches
 
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",

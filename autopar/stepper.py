@@ -25,12 +25,12 @@ from autopar.plan import Plan
 from autopar.plan_cache import through_cache
 from autopar.planner import plan
 from autopar.planning.pins import Annotations
-from autopar.planning.pipeline import Planning
+from autopar.planning.driver import Planning
 from autopar.rules.factors import Spec, to_partition_spec
-from autopar.schedule.choice import planned_schedule
-from autopar.schedule.lanes import Lanes, as_leaf
-from autopar.schedule.storable import Storage
-from autopar.schedule.stored import placed_outputs, stored_inputs
+from autopar.planning.schedules import planned_schedule
+from autopar.placement.lanes import Lanes, as_leaf
+from autopar.placement.storable import Storage
+from autopar.placement.stored import placed_outputs, stored_inputs
 from autopar.trace.ir import OpGraph
 
 
@@ -45,7 +45,7 @@ class _Signature:
     out_tree: Any
     make_plan: Callable[[], Plan]
     stored: Storage | None = None  # the stack's leaves kept in the circular placement
-    lanes: Lanes | None = None  # a Python loop's layers kept stacked (schedule/lanes.py)
+    lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)
 
     @functools.cached_property
     def plan(self) -> Plan:

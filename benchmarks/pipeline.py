@@ -122,7 +122,7 @@ def markdown(result: dict[str, Any]) -> str:
              "R: rounds each microbatch makes through the stages (the circular schedule, "
              "`pipeline_repeats`); \"stored\": with keep_placement=True, the stack and its "
              "optimizer state kept in the circular placement between steps (a Python loop's "
-             "per-layer leaves: kept stacked, schedule/lanes.py). "
+             "per-layer leaves: kept stacked, placement/lanes.py). "
              "\"hand-written GPipe\": the same S and M as a JAX user "
              "writes it in plain jax.jit (benchmarks/pipeline_expert.py); it has no estimate. "
              "Estimated tick loops: the forward and backward loops of R M + S - 1 ticks, "

@@ -19,7 +19,7 @@ import models  # noqa: E402
 import autopar  # noqa: E402
 from autopar.cost import get_profile  # noqa: E402
 from autopar.mesh import mesh_shape  # noqa: E402
-from autopar.planning.pipeline import data_parallel_plan
+from autopar.planning.driver import data_parallel_plan
 
 
 def main() -> None:

@@ -281,7 +281,7 @@ class ScannedDropoutNet(nn.Module):
 def test_dropout_inside_a_scanned_stack_equals_the_full_batch(microbatches, split, mesh, stages,
                                                               repeats):
     """Each microbatch draws its own examples' bits of every layer's full-batch draw
-    (schedule/draws.py), accumulated or pipelined (GPipe, circular); `split`: the batch over 8
+    (rewrite/draws.py), accumulated or pipelined (GPipe, circular); `split`: the batch over 8
     devices, each microbatch as 8 shares."""
     step, state, data = dropout_setup(ScannedDropoutNet())
     key = jax.random.key(7)

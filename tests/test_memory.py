@@ -22,7 +22,7 @@ from autopar.cost.liveness import updated_in_place
 from autopar.cost.memory import kept_bytes, parse_bytes
 from autopar.mesh import mesh_shape
 from autopar.planning.assemble import assemble
-from autopar.planning.pipeline import Planning, plan_step
+from autopar.planning.driver import Planning, plan_step
 from autopar.planning.problem import make_units
 from autopar.planning.solve import solve
 from autopar.trace.analysis import roles

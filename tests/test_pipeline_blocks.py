@@ -1,6 +1,6 @@
 """Pipelining a Python loop of blocks: the loss's repeated layers, written one after the other
 (`for i in range(L): x = Block(...)(x)`, a list of NNX layers), found in its jaxpr and run as
-the stages' loop (autopar/schedule/blocks.py), equal to one device."""
+the stages' loop (autopar/rewrite/blocks.py), equal to one device."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from helpers import check_against_single_device, dropout_setup
 
 import autopar
 from autopar.cost.hlo import collectives
-from autopar.schedule.blocks import find_blocks, rolled
+from autopar.rewrite.blocks import find_blocks, rolled
 
 pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
 

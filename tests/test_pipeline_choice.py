@@ -13,7 +13,7 @@ from test_pipeline import gpt_case, in_loops
 
 import autopar
 from autopar.cost.hardware import get_profile
-from autopar.planning.pipeline import Planning
+from autopar.planning.driver import Planning
 
 pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
 

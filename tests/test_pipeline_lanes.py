@@ -1,5 +1,5 @@
 """keep_placement=True on a Python loop of blocks: the layers' leaves, and the optimizer's
-state of them, are kept stacked on their stages between steps (autopar/schedule/lanes.py).
+state of them, are kept stacked on their stages between steps (autopar/placement/lanes.py).
 Trains equal to one device (after autopar.unpack), stacks no layer outside the pipeline's loop,
 and leaves a family the step reads a layer of on its own as the user's leaves, with a
 warning."""

@@ -128,7 +128,7 @@ def test_keep_placement_without_rounds_changes_nothing():
 
 
 def _stored_paths(fn, *args):
-    from autopar.schedule.storable import storage
+    from autopar.placement.storable import storage
     from autopar.trace.tracer import trace
     graph = trace(fn, args)[0]
     found = storage(graph)
@@ -138,7 +138,7 @@ def _stored_paths(fn, *args):
 def test_storable_follows_the_layer_dimension():
     """The analysis on small steps: the stack's leaf and whatever updates it elementwise are
     stored; a read that moves the layers out of dimension 0 keeps the group in order."""
-    from autopar.schedule.stored import stack_read
+    from autopar.primitives.stack_read import stack_read
     w, m = jnp.ones((4, 3)), jnp.zeros((4, 3))
 
     def update(state):

@@ -12,7 +12,6 @@ import pytest
 
 import autopar
 from autopar import plan_cache
-from autopar.schedule import choice
 from helpers import check_against_single_device
 from test_plan import same_decisions
 

@@ -278,7 +278,7 @@ class _Walk:
         the step runs. Counted without reuse, which bounds what the compiler keeps, unless
         the platform's compiler reuses buffers inside a body (loop_bodies.body_peak) (an
         accumulated gradient's loop is a whole forward and backward pass: see
-        schedule/accumulate.py). The loop's own marks are outside `ids`; those among them
+        rewrite/accumulate.py). The loop's own marks are outside `ids`; those among them
         are an inner loop's, whose stacked results (a layer stack's residuals, one per
         layer, in a microbatch loop) are buffers of the body (docs/decisions.md, "Inner
         loops' results inside a microbatch loop"). Stacks the compiler converts whole before

@@ -16,7 +16,7 @@ from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.kinds import ROTATE
-from autopar.schedule.ticks import STAGE_AXIS
+from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.trace.analysis import recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 

@@ -33,7 +33,8 @@ OTHER_ELEMENTWISE = frozenset({
 # Elementwise by their shapes, with no arithmetic: marks and loop carries.
 # The autopar.shard primitive (autopar.trace.shard), by name: rules come before the tracer.
 SHARD_MARK = "autopar_shard"
-# The pipelined stack's read of a per-layer input, and of its gradient (autopar.schedule.stored).
+# The pipelined stack's read of a per-layer input, and of its gradient
+# (autopar.primitives.stack_read).
 STACK_READ = "autopar_stack_read"
 MARKS = frozenset({SHARD_MARK, STACK_READ, "optimization_barrier", "scan_carry",
                    "scan_carry_out"})
@@ -46,7 +47,7 @@ ELEMENTWISE = CHEAP_ELEMENTWISE | OTHER_ELEMENTWISE | MARKS
 RANDOM_ELEMENTWISE = frozenset({"random_seed", "random_fold_in", "random_clone", "threefry2x32",
                                 "threefry4x32", "random_gamma"})
 
-# The circular pipeline's roll along the stages (autopar.schedule.rotate), by name.
+# The circular pipeline's roll along the stages (autopar.primitives.rotate), by name.
 ROTATE = "autopar_rotate"
 # Layout operators that are one HLO instruction, cheap to XLA's fusion like CHEAP_ELEMENTWISE;
 # a rotation lowers to three (two slices and a concatenation), as cheap, and is listed here.

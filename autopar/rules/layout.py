@@ -123,7 +123,7 @@ def pad(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 def shifts(params: dict) -> dict[int, int]:
     """{dimension: rows moved} for a pad's dimensions that shift (low k, high -k, no
-    interior padding), or a rotation's (autopar.schedule.rotate)."""
+    interior padding), or a rotation's (autopar.primitives.rotate)."""
     if "shift" in params:
         return {params["axis"]: abs(params["shift"])}
     return {d: abs(lo) for d, (lo, hi, interior) in enumerate(params["padding_config"])

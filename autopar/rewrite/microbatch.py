@@ -9,8 +9,8 @@ from typing import Any, Sequence
 import jax
 from jax.extend.core import Literal
 
-from autopar.schedule.draws import bits_at
-from autopar.schedule.separable import Separability
+from autopar.rewrite.draws import bits_at
+from autopar.rewrite.separable import Separability
 from autopar.trace.jaxpr import bind_equation, open_jaxpr
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
 

@@ -17,7 +17,7 @@ rewrites the loss that `autopar.value_and_grad` differentiates:
   whole is GPipe's backward pass (the loop transposed, the shifts reversed).
 With `pipeline_repeats=R` the schedule is circular: the stack is cut into S R chunks, stage s
 holding chunks s, s+S, ..., and each microbatch goes round the stages R times (R M + S - 1
-ticks); the stages' values move on by one rotation (schedule/rotate.py), the last stage's to
+ticks); the stages' values move on by one rotation (primitives/rotate.py), the last stage's to
 the first, which takes it M - S ticks later (M >= S).
 Ticks where a stage has no microbatch (the bubble, (S-1)/(R M+S-1) of the stage's time) compute
 on stand-in values whose results are dropped; their inputs and weights pass through
@@ -39,11 +39,11 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.schedule.blocks import chain, find_blocks, hoisted, rolled
-from autopar.schedule.layout import regroup, strided, unstrided
-from autopar.schedule.rotate import rotate
-from autopar.schedule.separable import Separability
-from autopar.schedule.ticks import (STAGE_AXIS, drawing_body, lead_mask, passes, per_stage,
+from autopar.rewrite.blocks import chain, find_blocks, hoisted, rolled
+from autopar.rewrite.batches import regroup, strided, unstrided
+from autopar.primitives.rotate import rotate
+from autopar.rewrite.separable import Separability
+from autopar.rewrite.ticks import (STAGE_AXIS, drawing_body, lead_mask, passes, per_stage,
                                     shift, stage_layers, stage_step)
 from autopar.trace.jaxpr import bind_equation, eqn_source
 from autopar.trace.shard import shard
@@ -53,7 +53,7 @@ from autopar.trace.tracer import scan_counts
 
 def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
                    repeats: int = 1) -> None:
-    """An AutoparError unless `pipeline` is "auto" (schedule/choice.py) or a stage count that
+    """An AutoparError unless `pipeline` is "auto" (planning/schedules.py) or a stage count that
     `mesh` (a Mesh, a dict of axis sizes; a device count has no 'stage' axis) has as its
     'stage' axis, with an int `microbatches` of at least 2 where it is more than 1, and
     `repeats` (circular rounds) a positive int, more than 1 only with stages and at least as

@@ -26,9 +26,9 @@ from autopar.planning.pricing import Unit
 from autopar.planning.problem import make_units
 from autopar.planning.solve import exactness, solve, with_dual_bound
 from autopar.rules.factors import Spec
-from autopar.schedule.lanes import Lanes, traced_lanes
-from autopar.schedule.storable import Storage, storage
-from autopar.schedule.stored import reading_stored
+from autopar.placement.lanes import Lanes, traced_lanes
+from autopar.placement.storable import Storage, storage
+from autopar.primitives.stack_read import reading_stored
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
@@ -54,12 +54,12 @@ class Planning:
     # Every search's candidate, by (mesh, price, recompute, kept-bytes cap): planning again
     # (the proofs put off until the unlimited plan is ruled out, fitting.py) repeats none.
     attempts: dict[tuple, Candidate] = field(default_factory=dict)
-    microbatches: int = 1  # the gradient accumulated over this many (autopar.schedule.accumulate)
+    microbatches: int = 1  # the gradient accumulated over this many (autopar.rewrite.accumulate)
     microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
     pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
     pipeline_repeats: int = 1  # that many times round (the circular schedule)
-    stored: Storage | None = None  # the stack's leaves kept in placement (schedule/stored.py)
-    lanes: Lanes | None = None  # a Python loop's layers kept stacked (schedule/lanes.py)
+    stored: Storage | None = None  # the stack's leaves kept in placement (placement/stored.py)
+    lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)
     plan_out_tree: Any = None  # the plan's outputs' tree (with `lanes`: the stacked step's)
     # Under a memory limit, dynamic_programming proves the price search's answer where its
     # tables fit (budget.py); False keeps the prices' answer, found sooner (and proven later,
@@ -80,14 +80,14 @@ class Planning:
         `microbatches`, `microbatch_groups`, `pipeline_stages`, `pipeline_repeats`: how `fn`
         accumulates its gradient, for the plan to say. `keep_placement`: a Python loop's
         layers kept stacked (the step traced, then traced again over the stacks:
-        schedule/lanes.py), and the circular schedule's stack stored in its placement where
+        placement/lanes.py), and the circular schedule's stack stored in its placement where
         the step allows (traced again: to find which leaves, then reading them so)."""
         t0 = time.perf_counter()
         progress.update("stage", "tracing")
         platform = platform or hw.platform
         found = (traced_lanes(fn, args, donated, platform)
                  if keep_placement and pipeline_stages > 1 else None)
-        if found is not None:  # a Python loop's layers stored stacked (schedule/lanes.py)
+        if found is not None:  # a Python loop's layers stored stacked (placement/lanes.py)
             graph, lanes, out_tree, in_tree, plan_out_tree = found
         else:
             graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)

@@ -33,10 +33,10 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.pipeline import Planning
-from autopar.schedule.accumulate import batch_size
-from autopar.schedule.ticks import STAGE_AXIS
-from autopar.schedule.microbatches import planned_within
+from autopar.planning.driver import Planning
+from autopar.rewrite.accumulate import batch_size
+from autopar.rewrite.ticks import STAGE_AXIS
+from autopar.planning.microbatches import planned_within
 
 Planned = tuple[Planning, Decisions, Plan]
 MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first

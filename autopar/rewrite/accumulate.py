@@ -25,7 +25,7 @@ size, where one would do). With `groups=G` each microbatch is computed as G shar
 (vmapped), share g holding the examples that the g-th of G device groups along the batch's axes
 keeps; the loop carries one sum per share ([G, ...], split like the batch), which needs no
 reduction, and the shares are added once after the loop. G is the product of the mesh axes
-that split the batch in a plan made first without groups (`schedule/microbatches.py`).
+that split the batch in a plan made first without groups (`planning/microbatches.py`).
 """
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ import jax.numpy as jnp
 
 from autopar.calling import Call
 from autopar.errors import AutoparError
-from autopar.schedule.layout import (diff_leaves, grads_shape, lead, regroup, strided,
+from autopar.rewrite.batches import (diff_leaves, grads_shape, lead, regroup, strided,
                                        strided_dim, unstrided)
-from autopar.schedule.gpipe import pipelined_value_and_grad
-from autopar.schedule.microbatch import evaluate, hoisted_values
-from autopar.schedule.separable import Separability
+from autopar.rewrite.gpipe import pipelined_value_and_grad
+from autopar.rewrite.microbatch import evaluate, hoisted_values
+from autopar.rewrite.separable import Separability
 
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
     "autopar_accumulation", default=None)

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.errors import AutoparWarning
-from autopar.schedule.stored import placement_order, wrapped_state
-from autopar.schedule.vectorise import LaneSearch, StackedRun, find_lanes
+from autopar.placement.stored import placement_order, wrapped_state
+from autopar.placement.vectorise import LaneSearch, StackedRun, find_lanes
 from autopar.trace.tracer import argument_names, leaf_paths, state_pairs, trace
 
 
