@@ -3,6 +3,15 @@
 Decorate an ordinary single-device step with `auto_parallel(mesh=...)` and it runs sharded over
 the mesh, with a strategy chosen by search under a cost model, readable as a `Plan`.
 """
+import os as _os
+
+from jax.extend import source_info_util as _source_info_util
+
+# An equation autopar's own code makes (autopar.shard, a rewrite's marks and loops) names the
+# user's line that led to it, as JAX's own equations do: a plan names lines its reader can
+# open, and reads the same wherever autopar is installed.
+_source_info_util.register_exclusion(_os.path.dirname(__file__))
+
 from autopar.rewrite.accumulate import grad, value_and_grad
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.checkpoint import (checkpoint_plan, latest_checkpoint, restore_checkpoint,

@@ -1,6 +1,8 @@
 """Pipeline parallelism (pipeline=S, microbatches=M): the loss's layer stack run as S stages of
 GPipe in one program, equal to one device; the loop moves activations by collective-permutes;
 what cannot be pipelined is refused with an AutoparError."""
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,10 @@ def test_pipelined_gpt_equals_one_device(mesh, microbatches):
     # the stacked layers are split over the stage axis, each stage holding its own
     kernel = plan.input_specs[0][0]["params"]["layers"]["Block_0"]["mlp_in"]["kernel"]
     assert kernel[0] == "stage", kernel
+    # what the pipeline's rewrite adds names the user's line, never one of autopar's own
+    made = [r.where for r in plan.redistributions] + [o.source for o in plan.ops]
+    assert any("autopar_shard" in w for w in made)
+    assert not [w for w in made if f"{os.sep}autopar{os.sep}" in w]
 
 
 @pytest.mark.slow

@@ -103,8 +103,9 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
                     count(reshard_collectives(tensors[t], specs[t], need, mesh, hw), times)
                 m += move
                 at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
-                moves.append(Redistribution(
-                    f"operand {i} of {op.primitive} #{op.id} ({op.source})", _name(graph, t),
+                where = f"operand {i} of {op.primitive} #{op.id}" + (
+                    f" ({op.source})" if op.source else "")
+                moves.append(Redistribution(where, _name(graph, t),
                     tensors[t].shape, specs[t], need, move, at_annotation))
         compute, comm = compute + c, comm + m
         records.append(OpDecision(

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend import source_info_util
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
 SHARD_PRIMITIVE = "autopar_shard"
-
-# Where a `shard` call is reported: the user's line, not this file's.
-source_info_util.register_exclusion(__file__)
 
 shard_p = Primitive(SHARD_PRIMITIVE)
 shard_p.def_impl(lambda x, *, spec: x)
