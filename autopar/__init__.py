@@ -12,7 +12,6 @@ from jax.extend import source_info_util as _source_info_util
 # open, and reads the same wherever autopar is installed.
 _source_info_util.register_exclusion(_os.path.dirname(__file__))
 
-from autopar.rewrite.accumulate import grad, value_and_grad
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.checkpoint import (checkpoint_plan, latest_checkpoint, restore_checkpoint,
                                 save_checkpoint, wait_for_checkpoints)
@@ -22,11 +21,12 @@ from autopar.cost.judge import Evaluation, evaluate
 from autopar.distributed import global_batch, is_main_process, process_rows
 from autopar.errors import AutoparError, AutoparWarning, MemoryLimitError
 from autopar.mesh import make_mesh
-from autopar.preemption import Preemption
+from autopar.placement.stored import Placed, unpack
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.plan_cache import plan_cache_dir, set_plan_cache_dir
 from autopar.plan_diff import PlanDiff, diff
-from autopar.placement.stored import Placed, unpack
+from autopar.preemption import Preemption
+from autopar.rewrite.accumulate import grad, value_and_grad
 from autopar.trace.shard import shard
 
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "grad",

@@ -13,9 +13,9 @@ from autopar.devices import mesh_profile, resolve_memory_limit
 from autopar.errors import AutoparError
 from autopar.plan import Plan, load_plan
 from autopar.planner import _check_search, plan
+from autopar.planning.microbatches import check_microbatches
 from autopar.planning.pins import Annotations, check_annotations_type
 from autopar.rewrite.gpipe import check_pipeline
-from autopar.planning.microbatches import check_microbatches
 from autopar.stepper import AutoParallel
 
 __all__ = ["AutoParallel", "auto_parallel", "plan"]

@@ -14,14 +14,14 @@ from autopar.cost.xla import buffer_model
 from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
+from autopar.placement.lanes import Lanes, traced_lanes
+from autopar.placement.storable import Storage, storage
 from autopar.plan import Plan
 from autopar.planning.assemble import assemble, output_specs, pipeline_detail
 from autopar.planning.saved import decisions_from_plan
-from autopar.rules.factors import Spec
-from autopar.rewrite.accumulate import step_of
-from autopar.placement.lanes import Lanes, traced_lanes
-from autopar.placement.storable import Storage, storage
 from autopar.primitives.stack_read import reading_stored
+from autopar.rewrite.accumulate import step_of
+from autopar.rules.factors import Spec
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 

@@ -30,8 +30,8 @@ from typing import Any
 import jax
 
 from autopar.errors import AutoparError, AutoparWarning
-from autopar.plan import Plan, load_plan
 from autopar.placement.stored import unpack
+from autopar.plan import Plan, load_plan
 from autopar.trace.tracer import path_to_str
 
 PLAN_FILE = "autopar_plan.json"  # where checkpoints of earlier versions kept the plan

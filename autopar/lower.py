@@ -19,7 +19,7 @@ their results. The second run reads its inputs through an `optimization_barrier`
 a value of the backward pass, as `jax.checkpoint` does: XLA can neither merge the two runs nor
 hoist the second one into the forward pass, so the forward results die early.
 
-The user's own recomputations (`Step.remat`: the backward pass of jax.checkpoint / nn.remat,
+The user's own recomputations (`Equation.remat`: the backward pass of jax.checkpoint / nn.remat,
 inlined by the tracer) are kept apart the same way, as JAX lowers them: everything such a body
 reads from outside goes through one optimization barrier, with a backward value among them, so
 XLA cannot merge the recomputation with the forward pass that computed the same values.
@@ -41,7 +41,7 @@ from autopar.lower_loop import pinnable_loop, remat_inputs, run_loop, sharded_in
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
 from autopar.trace.analysis import backward_steps, recomputed_layer_of
-from autopar.trace.ir import OpGraph, Step
+from autopar.trace.ir import OpGraph, Equation
 
 
 def interpreter(graph: OpGraph, decisions: Decisions, mesh: Mesh,
@@ -76,7 +76,7 @@ class _Lowering:
                           if need is not None
                           and decisions.ops[need[0]].in_specs[need[1]] != self.produced.get(t)}
 
-    def explicit_of(self, step: Step) -> tuple | None:
+    def explicit_of(self, step: Equation) -> tuple | None:
         """How `step` runs with explicit collectives, where it is one planning op whose
         partial sums need them (see `explicit_collectives`); None otherwise."""
         op = self.op_of.get(step.outputs[0]) if _one_result(step) else None
@@ -84,7 +84,7 @@ class _Lowering:
             return None
         return explicit_collectives(op.primitive, self.decisions.ops[op.id], op.params)
 
-    def carried(self, step: Step, t: int, read_as: list[tuple[tuple[int, ...], Spec | None]]
+    def carried(self, step: Equation, t: int, read_as: list[tuple[tuple[int, ...], Spec | None]]
                 ) -> bool:
         """Whether XLA's propagation gives result `t` of `step` its planned sharding unasked
         (see the module's docstring)."""
@@ -111,7 +111,7 @@ class _Lowering:
         """Run program step i on the values `read` gives; results constrained as planned."""
         return self.run_step(self.graph.program[i], read, self.explicit.get(i))
 
-    def run_step(self, step: Step, read: Callable[[int], Any], explicit: tuple | None = None,
+    def run_step(self, step: Equation, read: Callable[[int], Any], explicit: tuple | None = None,
                  in_loop: bool = False) -> list[Any]:
         """Run `step`, of the program or (`in_loop`) of a loop's body, on the values `read`
         gives. Inside a loop every result is constrained: the loop's values are XLA's to
@@ -238,7 +238,7 @@ def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,
     )
 
 
-def _one_result(step: Step) -> bool:
+def _one_result(step: Equation) -> bool:
     return (step.eqn is not None and not step.eqn.primitive.multiple_results
             and len(step.outputs) == 1)
 

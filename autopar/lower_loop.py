@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopar.trace.ir import OpGraph, Step
+from autopar.trace.ir import OpGraph, Equation
 from autopar.trace.tracer import scan_counts
 
-def pinnable_loop(graph: OpGraph, step: Step) -> bool:
+def pinnable_loop(graph: OpGraph, step: Equation) -> bool:
     """Whether `step` is a scan whose body the tracer recorded, without PRNG keys among its
     results."""
     if step.eqn is None or step.eqn.primitive.name != "scan" or not step.outputs:
@@ -42,7 +42,7 @@ def pinnable_loop(graph: OpGraph, step: Step) -> bool:
     return body is not None and not keys
 
 
-def sharded_inside(lowering: Any, step: Step) -> bool:
+def sharded_inside(lowering: Any, step: Equation) -> bool:
     """Whether the plan splits any value of the loop `step`: its operands, results or body's.
     A loop kept whole on every device needs no pins, and gets none: they would cut XLA's
     fusions in its body, and with them the float32 that fused bfloat16 arithmetic keeps
@@ -53,7 +53,7 @@ def sharded_inside(lowering: Any, step: Step) -> bool:
     return any(axes for t in tensors for axes in lowering.produced.get(t) or ())
 
 
-def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
+def run_loop(lowering: Any, step: Equation, values: list, p: dict) -> list:
     """The scan `step`'s results (its carries, then its stacked results) on `values`, its
     operands, computed by a pinned while loop (see the module's docstring). `lowering`: the
     `autopar.lower._Lowering` of the program."""
@@ -110,8 +110,8 @@ def run_loop(lowering: Any, step: Step, values: list, p: dict) -> list:
     return [*carry, *buffers]
 
 
-def remat_inputs(graph: OpGraph, steps: Sequence[Step]) -> dict[int, tuple[int, ...]]:
-    """remat (Step.remat) -> the values its steps (of `steps`) read from outside it,
+def remat_inputs(graph: OpGraph, steps: Sequence[Equation]) -> dict[int, tuple[int, ...]]:
+    """remat (Equation.remat) -> the values its steps (of `steps`) read from outside it,
     constants left out."""
     made_by = {t: s for s in steps for t in s.outputs}
     out: dict[int, dict[int, None]] = {}

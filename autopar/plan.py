@@ -15,9 +15,9 @@ import jax
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.rules.factors import Spec, to_partition_spec
 from autopar.placement.lanes import Lanes
 from autopar.placement.storable import Storage
+from autopar.rules.factors import Spec, to_partition_spec
 
 
 # search_stats' wall-clock entries, left out of the JSON and of equality

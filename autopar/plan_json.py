@@ -19,12 +19,12 @@ from typing import Any, Sequence
 
 from autopar.errors import AutoparError
 from autopar.name_ranges import collapse, expand
+from autopar.placement.lanes import Lanes
+from autopar.placement.storable import Storage
 from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
 from autopar.plan_check import check_axes, check_document
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
-from autopar.placement.lanes import Lanes
-from autopar.placement.storable import Storage
 from autopar.trace.layers import instance_of, layer_key
 
 FORMAT_VERSION = 2

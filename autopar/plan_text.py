@@ -5,8 +5,8 @@ from collections import defaultdict
 from typing import Any
 
 from autopar.name_ranges import collapse
-from autopar.plan import PRICED, Plan, TensorPlan
 from autopar.placement.storable import Storage
+from autopar.plan import PRICED, Plan, TensorPlan
 from autopar.trace.layers import layer_key
 
 

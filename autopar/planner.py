@@ -14,12 +14,12 @@ from autopar.explain import explainable
 from autopar.mesh import MeshShape, mesh_or_count, mesh_shape
 from autopar.plan import Plan
 from autopar.plan_cache import through_cache
-from autopar.planning.pins import Annotations, check_annotations_type
 from autopar.planning.driver import Planning
-from autopar.planning.solve import SEARCHES
-from autopar.planning.schedules import planned_schedule
-from autopar.rewrite.gpipe import check_pipeline
 from autopar.planning.microbatches import check_microbatches
+from autopar.planning.pins import Annotations, check_annotations_type
+from autopar.planning.schedules import planned_schedule
+from autopar.planning.solve import SEARCHES
+from autopar.rewrite.gpipe import check_pipeline
 
 
 def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming",

@@ -21,16 +21,16 @@ from autopar.explain import explainable
 from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
-from autopar.plan import Plan
-from autopar.plan_cache import through_cache
-from autopar.planner import plan
-from autopar.planning.pins import Annotations
-from autopar.planning.driver import Planning
-from autopar.rules.factors import Spec, to_partition_spec
-from autopar.planning.schedules import planned_schedule
 from autopar.placement.lanes import Lanes, as_leaf
 from autopar.placement.storable import Storage
 from autopar.placement.stored import placed_outputs, stored_inputs
+from autopar.plan import Plan
+from autopar.plan_cache import through_cache
+from autopar.planner import plan
+from autopar.planning.driver import Planning
+from autopar.planning.pins import Annotations
+from autopar.planning.schedules import planned_schedule
+from autopar.rules.factors import Spec, to_partition_spec
 from autopar.trace.ir import OpGraph
 
 

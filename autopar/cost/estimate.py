@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.trace.ir import OpGraph, Step
+from autopar.trace.ir import OpGraph, Equation
 
 KINDS = ("parameters", "optimizer_state", "other_inputs", "activations", "gradients",
          "temporaries")
@@ -77,7 +77,7 @@ def buffer_name(graph: OpGraph, producer_step: dict[int, int], b: Buffer) -> str
     return f"{name} (recomputed)" if b.how == "recomputed" else name
 
 
-def step_name(step: Step, i: int) -> str:
+def step_name(step: Equation, i: int) -> str:
     """An equation named for messages: its primitive, place and source scope."""
     eqn = step.eqn
     what = eqn.primitive.name if eqn is not None else "copy"

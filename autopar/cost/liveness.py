@@ -100,7 +100,7 @@ class _Walk:
                   if any(r <= done for r in readers[t])]
         begin = len(copied)
         layer_at = recomputed_layer_of(graph, recompute)
-        # Recomputations (the plan's, and the user's: Step.remat) wait for the backward pass.
+        # Recomputations (the plan's, and the user's: Equation.remat) wait for the backward pass.
         early = (model.early_steps(graph, done + 1) - layer_at.keys()
                  - {i for i, step in enumerate(program) if step.remat})
         order = model.schedule(graph, groups, done + 1) or range(len(program))

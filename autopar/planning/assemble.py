@@ -4,19 +4,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from autopar.cost.hardware import Hardware
 from autopar.cost.estimate import MemoryEstimate
-from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.facts import op_signatures, summed_pairs, value_facts
+from autopar.cost.hardware import Hardware
+from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.model import op_collectives, op_time, partial_sum, shard_bytes
 from autopar.cost.resharding import reshard_collectives, reshard_time
 from autopar.cost.xla import BufferModel, buffer_model, reassociates_sums
 from autopar.decisions import Decisions
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
+from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.kinds import ROTATE
-from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.trace.analysis import recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 

@@ -18,6 +18,8 @@ from autopar.cost.xla import BufferModel, buffer_model
 from autopar.decisions import Decisions
 from autopar.errors import AutoparError, AutoparWarning
 from autopar.mesh import MeshShape
+from autopar.placement.lanes import Lanes, traced_lanes
+from autopar.placement.storable import Storage, storage
 from autopar.plan import Plan
 from autopar.planning.assemble import Candidate, assemble, pipeline_detail, tally, written_up
 from autopar.planning.budget import plan_within
@@ -25,10 +27,8 @@ from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.pricing import Unit
 from autopar.planning.problem import make_units
 from autopar.planning.solve import exactness, solve, with_dual_bound
-from autopar.rules.factors import Spec
-from autopar.placement.lanes import Lanes, traced_lanes
-from autopar.placement.storable import Storage, storage
 from autopar.primitives.stack_read import reading_stored
+from autopar.rules.factors import Spec
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 

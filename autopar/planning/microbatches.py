@@ -34,14 +34,14 @@ from typing import Callable, Sequence, TypeVar
 import jax
 from jax.sharding import PartitionSpec
 
-from autopar.rewrite.accumulate import batch_size, step_of
-from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.calling import Call
 from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
 from autopar.planning.driver import Planning
+from autopar.rewrite.accumulate import batch_size, step_of
+from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.trace.ir import OpGraph
 
 T = TypeVar("T")

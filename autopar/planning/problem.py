@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 import autopar_search as search
-from autopar.cost.hardware import Hardware
 from autopar.cost.facts import op_signatures, weight_gradients
+from autopar.cost.hardware import Hardware
 from autopar.cost.model import shard_bytes
 from autopar.errors import AutoparWarning
 from autopar.mesh import MeshShape

@@ -34,9 +34,9 @@ from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
 from autopar.planning.driver import Planning
+from autopar.planning.microbatches import planned_within
 from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
-from autopar.planning.microbatches import planned_within
 
 Planned = tuple[Planning, Decisions, Plan]
 MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first

@@ -39,9 +39,9 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError
-from autopar.rewrite.blocks import chain, find_blocks, hoisted, rolled
-from autopar.rewrite.batches import regroup, strided, unstrided
 from autopar.primitives.rotate import rotate
+from autopar.rewrite.batches import regroup, strided, unstrided
+from autopar.rewrite.blocks import chain, find_blocks, hoisted, rolled
 from autopar.rewrite.separable import Separability
 from autopar.rewrite.ticks import (STAGE_AXIS, drawing_body, lead_mask, passes, per_stage,
                                     shift, stage_layers, stage_step)

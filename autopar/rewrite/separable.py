@@ -26,8 +26,8 @@ from typing import Any, Sequence
 from jax.extend.core import Literal
 
 from autopar.errors import AutoparError
-from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from autopar.rewrite.draws import why_not_drawable
+from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from autopar.trace.jaxpr import eqn_source, open_jaxpr
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
 

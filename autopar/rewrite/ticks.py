@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from autopar.primitives.stack_read import is_stored, stack_read
 from autopar.rewrite.microbatch import run_equations
 from autopar.rewrite.separable import Separability
-from autopar.primitives.stack_read import is_stored, stack_read
 from autopar.trace.jaxpr import open_jaxpr
 from autopar.trace.shard import shard
 

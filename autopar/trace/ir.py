@@ -60,7 +60,7 @@ class Op:
 
 
 @dataclass(frozen=True)
-class Step:
+class Equation:
     """One equation of the execution view.
 
     `requires[i]` names the planning op and operand index whose strategy fixes the sharding
@@ -86,7 +86,7 @@ class OpGraph:
 
     tensors: tuple[Tensor, ...]
     ops: tuple[Op, ...]
-    program: tuple[Step, ...]
+    program: tuple[Equation, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     const_values: dict[int, Any] = field(hash=False, compare=False)

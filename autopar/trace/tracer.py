@@ -3,7 +3,7 @@
 The whole step goes through `jax.make_jaxpr`, so the backward pass and the optimizer update are
 in the graph. Calls (`jit`, `closed_call`, custom derivatives, `remat2`) are inlined; the steps of
 a differentiated `remat2` (the backward pass of jax.checkpoint) are marked as its recomputation
-(Step.remat), which the lowering keeps apart from the forward pass. A `scan` is
+(Equation.remat), which the lowering keeps apart from the forward pass. A `scan` is
 kept whole for execution, and its body is inlined once into the planning view with its costs
 scaled by the trip count, so the body's operators are planned like any other and the loop carry is
 tied to one sharding across iterations.
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from autopar.trace.ir import Op, OpGraph, Step, Tensor
+from autopar.trace.ir import Op, OpGraph, Equation, Tensor
 from autopar.trace.jaxpr import eqn_source, open_jaxpr
 
 # Primitives whose body is inlined: they only group equations, they do not change semantics.
@@ -88,9 +88,9 @@ def _itemsize(dtype: Any) -> int | None:
 class _Builder:
     tensors: list[Tensor] = field(default_factory=list)
     ops: list[dict] = field(default_factory=list)
-    program: list[Step] = field(default_factory=list)
+    program: list[Equation] = field(default_factory=list)
     const_values: dict[int, Any] = field(default_factory=dict)
-    recomputations: int = 0  # differentiated remat2 bodies seen (see Step.remat)
+    recomputations: int = 0  # differentiated remat2 bodies seen (see Equation.remat)
     loop_ops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # see OpGraph
     loop_bodies: dict[int, tuple] = field(default_factory=dict)  # see OpGraph
 
@@ -124,12 +124,12 @@ class _Builder:
 
     # -- the walk ------------------------------------------------------------------------------
     def walk(self, jaxpr: Any, consts: Sequence[int], args: Sequence[int], repeat: int,
-             sink: list[Step] | None, names: Any = None, remat: tuple[int, ...] = ()
+             sink: list[Equation] | None, names: Any = None, remat: tuple[int, ...] = ()
              ) -> list[int]:
         """Add jaxpr's equations; returns the tensor ids of its outputs.
 
         `names` is the name stack of the enclosing call: an inlined equation's own name stack
-        is relative to it. `remat`: the recomputations (see Step.remat) the jaxpr is inside.
+        is relative to it. `remat`: the recomputations (see Equation.remat) the jaxpr is inside.
         `sink`: where its execution steps go (the program, a loop body's steps; None: nowhere).
         """
         env: dict[Any, int] = {}
@@ -181,7 +181,7 @@ class _Builder:
                     requires = tuple(None if self.is_const(t) else (op, i)
                                      for i, t in enumerate(inputs))
                 if sink is not None:
-                    sink.append(Step(eqn, tuple(inputs), tuple(outs), requires, remat))
+                    sink.append(Equation(eqn, tuple(inputs), tuple(outs), requires, remat))
             for var, tid in zip(eqn.outvars, outs):
                 env[var] = tid
         return [read(v) for v in jaxpr.outvars]
@@ -192,10 +192,10 @@ class _Builder:
             self.tensors[t] = dataclasses.replace(old, const=True)
 
     def scan(self, eqn: Any, inputs: list[int], source: str, repeat: int,
-             sink: list[Step] | None, names: Any, remat: tuple[int, ...] = ()) -> list[int]:
+             sink: list[Equation] | None, names: Any, remat: tuple[int, ...] = ()) -> list[int]:
         """Plan a scan's body once (costs x length); execute the scan whole, its body's own
         steps kept apart (OpGraph.loop_bodies). `remat`: the recomputations the scan is
-        inside (its step's Step.remat; its body's steps are a scope of their own)."""
+        inside (its step's Equation.remat; its body's steps are a scope of their own)."""
         p = eqn.params
         body, body_consts = open_jaxpr(p["jaxpr"])
         (n_const, n_carry), length = scan_counts(p), int(p["length"])
@@ -232,7 +232,7 @@ class _Builder:
                 requires[n_const + n_carry + i] = (op, 0)
         first_op = len(self.ops)
         body_in = [*consts, *carry_in, *x_in]
-        body_steps: list[Step] | None = None if sink is None else []
+        body_steps: list[Equation] | None = None if sink is None else []
         body_outs = self.walk(body, body_const_ids, body_in, repeat * length, body_steps,
                               names=names)
         body_ops = tuple(range(first_op, len(self.ops)))
@@ -249,7 +249,7 @@ class _Builder:
             if sink is self.program:
                 self.loop_ops[len(self.program)] = body_ops
             self.loop_bodies[outs[0]] = (tuple(body_steps), tuple(body_in), tuple(body_outs))
-            sink.append(Step(eqn, tuple(inputs), tuple(outs), tuple(requires), remat))
+            sink.append(Equation(eqn, tuple(inputs), tuple(outs), tuple(requires), remat))
         return outs
 
 
@@ -300,7 +300,7 @@ def trace(fn: Callable, args: Sequence[Any], donated: frozenset[int] = frozenset
             requires: tuple = (None,)
             if not t.const:
                 requires = ((b.add_op("copy_p", (tid,), (new,), {}, "output", 1), 0),)
-            b.program.append(Step(None, (tid,), (new,), requires))
+            b.program.append(Equation(None, (tid,), (new,), requires))
             tid = new
         else:
             b.tensors[tid] = dataclasses.replace(t, path=path)

@@ -21,10 +21,10 @@ from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.kinds import CHEAP, FUSED, FUSING_READERS
 from autopar.trace.analysis import ancestors, edges, per_graph, roles
-from autopar.trace.ir import OpGraph, Step, Tensor
+from autopar.trace.ir import OpGraph, Equation, Tensor
 
 
-def scatter_into_sum(program: Sequence[Step], producer_step: dict[int, int],
+def scatter_into_sum(program: Sequence[Equation], producer_step: dict[int, int],
                      primitive: Callable[[int], str], i: int, readers: list[int]) -> bool:
     """Whether step i scatter-adds into zeros for a sum alone (the transpose of a gather, read
     by the gradient's add): XLA's simplifier scatters into the sum's other operand instead, in
