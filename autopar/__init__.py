@@ -10,7 +10,7 @@ from jax.extend import source_info_util as _source_info_util
 # An equation autopar's own code makes (autopar.shard, a rewrite's marks and loops) names the
 # user's line that led to it, as JAX's own equations do: a plan names lines its reader can
 # open, and reads the same wherever autopar is installed.
-_source_info_util.register_exclusion(_os.path.dirname(__file__))
+_source_info_util.register_exclusion(_os.path.dirname(__file__) + _os.sep)
 
 from autopar.api import AutoParallel, auto_parallel, plan
 from autopar.checkpoint import (checkpoint_plan, latest_checkpoint, restore_checkpoint,
