@@ -17,6 +17,7 @@ common jax.numpy and jax.scipy primitives that run replicated.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from autopar.rules.table import RULES, rule_for
 from autopar.trace.tracer import CALL_PRIMITIVES, trace
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
+GOLDEN = Path(__file__).resolve().parent / "data" / "rules.txt"  # see the golden-table test
 # Primitives the tracer handles itself: calls are inlined, a scan's body is planned once,
 # checkpoint_name ("name") passes its operand through.
 TRACER = set(CALL_PRIMITIVES) | {"scan", "name"}
@@ -57,21 +59,26 @@ def collect(jaxpr, found: set[str]) -> set[str]:
     return found
 
 
-def rule_lookups(closed: ClosedJaxpr, args: tuple) -> tuple[dict[str, int], set[str]]:
+def rule_lookups(closed: ClosedJaxpr, args: tuple
+                 ) -> tuple[dict[str, int], set[str], set[str]]:
     """Rule lookups on autopar's graph of the step, with each operator's shapes and params:
     how many operators of each primitive have no rule (autopar replicates them and warns),
-    and which primitives have an operator that has one."""
+    which primitives have an operator that has one, and each such rule as
+    `primitive: notation`."""
     graph, _, _ = trace(jaxpr_as_fun(closed), jax.tree_util.tree_leaves(args))
     missing: dict[str, int] = {}
     ruled: set[str] = set()
+    printed: set[str] = set()
     for op in graph.ops:
         ins = [graph.tensors[t].shape for t in op.inputs]
         outs = [graph.tensors[t].shape for t in op.outputs]
-        if rule_for(op.primitive, ins, outs, op.params) is None:
+        rule = rule_for(op.primitive, ins, outs, op.params)
+        if rule is None:
             missing[op.primitive] = missing.get(op.primitive, 0) + 1
         else:
             ruled.add(op.primitive)
-    return missing, ruled
+            printed.add(f"{op.primitive}: {rule.notation()}")
+    return missing, ruled, printed
 
 
 @functools.cache
@@ -817,8 +824,9 @@ OUTSIDE: dict[str, Callable[[], tuple[Callable, tuple]]] = {
 
 
 @functools.cache
-def surveyed(name: str) -> tuple[set[str], dict[str, int], set[str]]:
-    """(primitives found, replicated operators, primitives with a rule) of one step."""
+def surveyed(name: str) -> tuple[set[str], dict[str, int], set[str], set[str]]:
+    """(primitives found, replicated operators, primitives with a rule, the rules printed)
+    of one step."""
     step, args = {**SURVEY, **OUTSIDE}[name]()
     closed = jax.make_jaxpr(step)(*args)
     return collect(closed.jaxpr, set()), *rule_lookups(closed, args)
@@ -828,7 +836,7 @@ def surveyed(name: str) -> tuple[set[str], dict[str, int], set[str]]:
 
 @pytest.mark.parametrize("name", [*SURVEY, *OUTSIDE])
 def test_primitives_accounted_for(name):
-    found, replicated, ruled = surveyed(name)
+    found, replicated, ruled, _ = surveyed(name)
     tables = doc_tables()
     missing = sorted(found - set().union(*tables.values()))
     assert not missing, f"{name}: primitives not in {DOC.name}: {missing}"
@@ -848,6 +856,20 @@ def test_surveyed_steps_have_no_replicated_operator():
     """The survey proper (jax.nn, optax, Flax's examples) has a rule for every operator."""
     replicated = {name: surveyed(name)[1] for name in SURVEY}
     assert not {k: v for k, v in replicated.items() if v}
+
+
+@pytest.mark.slow
+def test_every_rule_the_survey_uses_prints_as_its_golden_table():
+    """Every distinct rule the surveyed steps' operators get, printed (`Rule.notation`), is
+    the golden table's: a change of what a primitive means to the planner shows here, line
+    by line. AUTOPAR_GOLDEN=write rewrites the table after a change meant to make."""
+    printed = sorted(set().union(*(surveyed(name)[3] for name in [*SURVEY, *OUTSIDE])))
+    if os.environ.get("AUTOPAR_GOLDEN") == "write":
+        GOLDEN.write_text("\n".join(printed) + "\n")
+    golden = GOLDEN.read_text().splitlines()
+    assert len(golden) > 100 and len({line.split(":")[0] for line in golden}) > 50
+    assert printed == golden, (f"rules changed; gone: {sorted(set(golden) - set(printed))}, "
+                               f"new: {sorted(set(printed) - set(golden))}")
 
 
 def test_doc_tables_agree_with_the_rule_table():

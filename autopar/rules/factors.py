@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import string
 from dataclasses import dataclass, field
 
 from jax.sharding import PartitionSpec
@@ -40,6 +41,24 @@ class Rule:
     @functools.cached_property
     def _hash(self) -> int:  # rules key the strategy caches: hashed on every lookup
         return hash(self.key)
+
+    def notation(self) -> str:
+        """The rule in one line: each factor a letter, by first appearance, and `_` for a
+        dimension never split; a scalar is `()`. `dot_general` of [B, I] x [I, O] reads
+        `ab, bc -> ac`: b, in no result, is summed."""
+        letters: dict[str, str] = {}
+
+        def letter(f: str | None) -> str:
+            if f is None:
+                return "_"
+            if f not in letters:
+                n = len(letters)
+                letters[f] = string.ascii_letters[n] if n < len(string.ascii_letters) else f"<{n}>"
+            return letters[f]
+
+        def side(tensors: tuple[Dims, ...]) -> str:
+            return ", ".join("".join(map(letter, dims)) or "()" for dims in tensors)
+        return f"{side(self.operands)} -> {side(self.results)}"
 
     @property
     def reduction_factors(self) -> frozenset[str]:
