@@ -1,8 +1,8 @@
 """The Plan: every input, output and operator decision, readable and saved as JSON.
 
 Its views (plan_text, plan_json, explain, plan_html) take a Plan, and its methods call them:
-they are imported when a method is called, the one place autopar imports inside a function
-(tests/test_imports.py)."""
+they are imported when a method is called, the one place an autopar module is imported
+inside a function (tests/test_imports.py)."""
 from __future__ import annotations
 
 import dataclasses
