@@ -43,20 +43,68 @@ FAST_LIMIT_S = 3.0
 _slow_in_fast_tier: list[tuple[str, float]] = []
 
 
+# Where each tier's time goes: XLA's compiles (or reads of the compilation cache) and
+# lowerings to MLIR, summed from JAX's own monitoring events for each test, in this process
+# (the subprocesses some tests start are not counted); the rest is autopar's planning,
+# tracing, running the steps and the test's own work.
+_JAX_EVENTS = {"/jax/core/compile/backend_compile_duration": "XLA compile",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowering"}
+_event_seconds: dict[str, float] = dict.fromkeys(_JAX_EVENTS.values(), 0.0)
+_tier_seconds: dict[str, dict[str, float]] = {}
+
+
+def _on_jax_event(event: str, seconds: float, **_: object) -> None:
+    if event in _JAX_EVENTS:
+        _event_seconds[_JAX_EVENTS[event]] += seconds
+
+
+def pytest_configure(config):
+    import jax.monitoring
+    jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_events_at_start] = dict(_event_seconds)
+
+
+_events_at_start = pytest.StashKey[dict]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if call.when == "call" and report.passed and item.get_closest_marker("slow") is None \
             and report.duration > FAST_LIMIT_S:
         report.user_properties.append(("slow_in_fast_tier", report.duration))
+    if call.when == "teardown" and _events_at_start in item.stash:
+        start = item.stash[_events_at_start]
+        spent = {k: v - start.get(k, 0.0) for k, v in _event_seconds.items()}
+        tier = "slow" if item.get_closest_marker("slow") else "fast"
+        report.user_properties.append(("tier_seconds", (tier, spent)))
 
 
 def pytest_runtest_logreport(report):
     _slow_in_fast_tier.extend((report.nodeid, s) for k, s in report.user_properties
                               if k == "slow_in_fast_tier")
+    tier = "slow" if "slow" in report.keywords else "fast"
+    totals = _tier_seconds.setdefault(tier, {"tests": 0, "all": 0.0})
+    totals["all"] += report.duration
+    totals["tests"] += report.when == "call"
+    for k, (_, spent) in ((k, v) for k, v in report.user_properties if k == "tier_seconds"):
+        for name, seconds in spent.items():
+            totals[name] = totals.get(name, 0.0) + seconds
 
 
 def pytest_terminal_summary(terminalreporter):
+    for tier, totals in sorted(_tier_seconds.items(), reverse=True):
+        if not totals["tests"]:
+            continue
+        parts = ", ".join(f"{name} {totals.get(name, 0.0):.0f} s "
+                          f"({totals.get(name, 0.0) / max(totals['all'], 1e-9):.0%})"
+                          for name in _JAX_EVENTS.values())
+        terminalreporter.write_line(f"{tier} tier: {totals['tests']} tests, {totals['all']:.0f} s "
+                                    f"summed over the workers; {parts}")
     if _slow_in_fast_tier:
         terminalreporter.section("fast-tier tests over the limit: mark them slow or make them "
                                  "smaller")
