@@ -44,9 +44,10 @@ def applied(call: Call, saved: Plan, shape: MeshShape, hw: Hardware, platform: s
     """`saved`'s decisions on this call's trace, on mesh `shape`; `microbatches`: the count to
     trace with where the caller asked for one (the plan's own by default). An AutoparError
     where the plan does not fit this step."""
-    microbatches = saved.microbatches if microbatches is None else microbatches
-    stages, repeats = saved.pipeline_stages, saved.pipeline_repeats
-    step = step_of(call, microbatches, batch_argnums, saved.microbatch_groups, stages, repeats)
+    schedule = saved.schedule
+    if microbatches is not None:
+        schedule = dataclasses.replace(schedule, microbatches=microbatches)
+    step = step_of(call, schedule, batch_argnums)
     stored = saved.stored
     if stored is not None:  # the stack reads the leaves the plan stores
         step = reading_stored(step, stored.reads)
@@ -55,13 +56,13 @@ def applied(call: Call, saved: Plan, shape: MeshShape, hw: Hardware, platform: s
         graph, lanes, out_tree, in_tree, plan_out_tree = _saved_lanes(step, call, lanes,
                                                                       platform)
     else:
-        plain = microbatches == 1 and stages == 1 and stored is None  # the step as written
+        plain = not schedule.rewrites and stored is None  # the step as written
         graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
                                           compiler=platform,
                                           jaxpr=call.jaxpr if plain else None)
         out_tree = plan_out_tree = jax.tree_util.tree_structure(out_shape)
     if stored is not None:
-        found = storage(graph, stages, repeats)
+        found = storage(graph, schedule.stages, schedule.rounds)
         if found != stored:
             raise AutoparError(
                 f"the saved plan keeps {len(stored.inputs)} leaves of the stack in the "
@@ -74,11 +75,8 @@ def applied(call: Call, saved: Plan, shape: MeshShape, hw: Hardware, platform: s
                         in_tree, plan_out_tree, buffers=buffer_model(platform))
         # what was recorded when it was planned (the limit, the compiled bytes) stays
         plan = dataclasses.replace(plan, memory={**saved.memory, **plan.memory},
-                                   microbatches=microbatches,
-                                   microbatch_groups=saved.microbatch_groups,
-                                   pipeline_stages=stages, pipeline_repeats=repeats,
-                                   stored=stored, lanes=lanes)
-        if stages > 1:
+                                   **schedule.plan_fields(), stored=stored, lanes=lanes)
+        if schedule.stages > 1:
             plan = dataclasses.replace(plan, pipeline=pipeline_detail(graph, plan))
         return plan
 

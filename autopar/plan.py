@@ -18,6 +18,7 @@ from autopar.errors import AutoparError
 from autopar.placement.lanes import Lanes
 from autopar.placement.storable import Storage
 from autopar.rules.factors import Spec, to_partition_spec
+from autopar.schedule import Schedule
 
 
 # search_stats' wall-clock entries, left out of the JSON and of equality
@@ -157,6 +158,12 @@ class Plan:
         return (all(getattr(self, n) == getattr(other, n) for n in compared)
                 and self.decisions == other.decisions
                 and self.stable_stats() == other.stable_stats())
+
+    @property
+    def schedule(self) -> Schedule:
+        """Its microbatches, shares, stages and rounds as one record (autopar.schedule)."""
+        return Schedule(self.microbatches, self.microbatch_groups, self.pipeline_stages,
+                        self.pipeline_repeats)
 
     def stable_stats(self) -> dict[str, Any]:
         """search_stats without its wall-clock seconds: what the same problem reproduces, on

@@ -14,7 +14,7 @@ from autopar.explain import explainable
 from autopar.mesh import MeshShape, mesh_or_count, mesh_shape
 from autopar.plan import Plan
 from autopar.plan_cache import through_cache
-from autopar.planning.driver import Planning
+from autopar.planning.driver import tracer
 from autopar.planning.microbatches import check_microbatches
 from autopar.planning.pins import Annotations, check_annotations_type
 from autopar.planning.schedules import planned_schedule
@@ -56,12 +56,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     platform = compiler_platform(mesh, hw)
     shape = mesh_or_count(mesh)
 
-    def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
-               repeats: int = 1) -> Planning:
-        return Planning.traced(step, call.abstract(), hw, search, annotations, call.donated,
-                               platform, microbatches, groups, stages, repeats,
-                               keep_placement)
-
+    traced = tracer(call, batch_argnums, hw, search, annotations, platform, keep_placement)
     options = {"mesh": shape, "search": search, "hardware": hw, "annotations": annotations,
                "memory_limit": limit, "microbatches": microbatches,
                "batch_argnums": batch_argnums, "pipeline": pipeline,

@@ -27,7 +27,7 @@ from autopar.placement.stored import placed_outputs, stored_inputs
 from autopar.plan import Plan
 from autopar.plan_cache import through_cache
 from autopar.planner import plan
-from autopar.planning.driver import Planning
+from autopar.planning.driver import tracer
 from autopar.planning.pins import Annotations
 from autopar.planning.schedules import planned_schedule
 from autopar.rules.factors import Spec, to_partition_spec
@@ -127,15 +127,9 @@ class AutoParallel:
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        def traced(step: Callable, microbatches: int, groups: int, stages: int = 1,
-                   repeats: int = 1) -> Planning:
-            planning = Planning.traced(step, call.abstract(), self.hw, self.search,
-                                       self.annotations, call.donated, self.platform,
-                                       microbatches, groups, stages, repeats,
-                                       self.keep_placement)
-            planning.prove = False  # until fitted() rules out the plan made with no limit
-            return planning
-
+        # not proven until fitted() rules out the plan made with no limit
+        traced = tracer(call, self.batch_argnums, self.hw, self.search, self.annotations,
+                        self.platform, self.keep_placement, prove=False)
         planning, decisions, p, shape = planned_schedule(
             call, self.microbatches, self.batch_argnums, traced, shape, self.memory_limit,
             self.stages, self.repeats)

@@ -43,6 +43,7 @@ def test_pipelined_gpt_equals_one_device(mesh, microbatches):
     assert f"pipelined over {mesh['stage']} stages" in plan.summary()
     again = autopar.Plan.from_json(plan.to_json())
     assert (again.pipeline_stages, again.microbatches) == (mesh["stage"], microbatches)
+    assert again.schedule == plan.schedule  # the four settings, one record
     # the stacked layers are split over the stage axis, each stage holding its own
     kernel = plan.input_specs[0][0]["params"]["layers"]["Block_0"]["mlp_in"]["kernel"]
     assert kernel[0] == "stage", kernel

@@ -53,7 +53,7 @@ def test_shares_that_split_the_loop_over_data_are_planned_alone(monkeypatch, har
     plan = Planning.plan
 
     def recorded(self, *args, **kwargs):
-        groups.append(self.microbatch_groups)
+        groups.append(self.schedule.shares)
         return plan(self, *args, **kwargs)
     monkeypatch.setattr(Planning, "plan", recorded)
     step, state, data = gpt_case(batch=64)

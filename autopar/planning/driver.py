@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from autopar import progress
+from autopar.calling import Call
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
@@ -28,7 +29,9 @@ from autopar.planning.pricing import Unit
 from autopar.planning.problem import make_units
 from autopar.planning.solve import exactness, solve, with_dual_bound
 from autopar.primitives.stack_read import reading_stored
+from autopar.rewrite.accumulate import step_of
 from autopar.rules.factors import Spec
+from autopar.schedule import Schedule
 from autopar.trace.ir import OpGraph
 from autopar.trace.tracer import trace
 
@@ -54,10 +57,7 @@ class Planning:
     # Every search's candidate, by (mesh, price, recompute, kept-bytes cap): planning again
     # (the proofs put off until the unlimited plan is ruled out, fitting.py) repeats none.
     attempts: dict[tuple, Candidate] = field(default_factory=dict)
-    microbatches: int = 1  # the gradient accumulated over this many (autopar.rewrite.accumulate)
-    microbatch_groups: int = 1  # in this many shares per microbatch, reduced after the loop
-    pipeline_stages: int = 1  # the loss's layer stack pipelined over this many stages
-    pipeline_repeats: int = 1  # that many times round (the circular schedule)
+    schedule: Schedule = Schedule()  # how the traced step accumulates and pipelines
     stored: Storage | None = None  # the stack's leaves kept in placement (placement/stored.py)
     lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)
     plan_out_tree: Any = None  # the plan's outputs' tree (with `lanes`: the stacked step's)
@@ -72,13 +72,12 @@ class Planning:
     @classmethod
     def traced(cls, fn: Callable, args: Sequence[Any], hw: Hardware, search: str,
                annotations: Annotations = None, donated: frozenset[int] = frozenset(),
-               platform: str | None = None, microbatches: int = 1,
-               microbatch_groups: int = 1, pipeline_stages: int = 1,
-               pipeline_repeats: int = 1, keep_placement: bool = False) -> Planning:
+               platform: str | None = None, schedule: Schedule = Schedule(),
+               keep_placement: bool = False) -> Planning:
         """Trace `fn(*args)` (`donated`: the flat inputs the caller donates, which the memory
         estimate reads) for a compiler of `platform` (default: the hardware profile's);
-        `microbatches`, `microbatch_groups`, `pipeline_stages`, `pipeline_repeats`: how `fn`
-        accumulates its gradient, for the plan to say. `keep_placement`: a Python loop's
+        `schedule`: how `fn` accumulates its gradient and pipelines its layers (step_of), for
+        the plan to say. `keep_placement`: a Python loop's
         layers kept stacked (the step traced, then traced again over the stacks:
         placement/lanes.py), and the circular schedule's stack stored in its placement where
         the step allows (traced again: to find which leaves, then reading them so)."""
@@ -86,7 +85,7 @@ class Planning:
         progress.update("stage", "tracing")
         platform = platform or hw.platform
         found = (traced_lanes(fn, args, donated, platform)
-                 if keep_placement and pipeline_stages > 1 else None)
+                 if keep_placement and schedule.stages > 1 else None)
         if found is not None:  # a Python loop's layers stored stacked (placement/lanes.py)
             graph, lanes, out_tree, in_tree, plan_out_tree = found
         else:
@@ -94,7 +93,7 @@ class Planning:
             lanes, out_tree = None, jax.tree_util.tree_structure(out_shape)
             plan_out_tree = out_tree
         stored = None
-        if keep_placement and pipeline_repeats > 1:
+        if keep_placement and schedule.rounds > 1:
             def again(reads: Sequence[int]) -> OpGraph:  # the step, its stack read as stored
                 stepped = reading_stored(fn, reads)
                 if lanes is None:
@@ -104,13 +103,11 @@ class Planning:
                     raise AutoparError("keep_placement: the step stacks other layers when its "
                                        "stack is read in the circular placement.")
                 return found[0]
-            graph, stored = traced_stored(again, graph, pipeline_stages, pipeline_repeats,
+            graph, stored = traced_stored(again, graph, schedule.stages, schedule.rounds,
                                           lanes)
         return cls(graph, in_tree, out_tree, hw, search, annotations, buffer_model(platform),
-                   time.perf_counter() - t0,
-                   microbatches=microbatches, microbatch_groups=microbatch_groups,
-                   pipeline_stages=pipeline_stages, pipeline_repeats=pipeline_repeats,
-                   stored=stored, lanes=lanes, plan_out_tree=plan_out_tree)
+                   time.perf_counter() - t0, schedule=schedule, stored=stored, lanes=lanes,
+                   plan_out_tree=plan_out_tree)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
              ) -> tuple[Decisions, Plan]:
@@ -149,11 +146,9 @@ class Planning:
         chosen = dataclasses.replace(chosen, stats=exactness(stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.plan_out_tree, memory_limit, self.buffers)
-        plan = dataclasses.replace(
-            plan, microbatches=self.microbatches, microbatch_groups=self.microbatch_groups,
-            pipeline_stages=self.pipeline_stages, pipeline_repeats=self.pipeline_repeats,
-            stored=self.stored, lanes=self.lanes)
-        if self.pipeline_stages > 1:
+        plan = dataclasses.replace(plan, **self.schedule.plan_fields(), stored=self.stored,
+                                   lanes=self.lanes)
+        if self.schedule.stages > 1:
             plan = dataclasses.replace(plan, pipeline=pipeline_detail(self.graph, plan))
         return chosen.decisions, plan
 
@@ -173,6 +168,23 @@ class Planning:
             decisions, tally(self.graph, decisions, shape, self.hw, pinned),
             plan_memory(self.graph, decisions, shape, self.buffers), stats)
         return found
+
+
+Tracer = Callable[[Schedule], Planning]  # a call's step traced under a schedule
+
+
+def tracer(call: Call, batch_argnums: int | Sequence[int], hw: Hardware, search: str,
+           annotations: Annotations, platform: str, keep_placement: bool,
+           prove: bool = True) -> Tracer:
+    """The call's step, rewritten as a schedule says (step_of) and traced for planning: what
+    autopar.plan and auto_parallel give the schedules' search. `prove`: Planning.prove."""
+    def traced(schedule: Schedule) -> Planning:
+        planning = Planning.traced(step_of(call, schedule, batch_argnums), call.abstract(), hw,
+                                   search, annotations, call.donated, platform, schedule,
+                                   keep_placement)
+        planning.prove = prove
+        return planning
+    return traced
 
 
 def traced_stored(again: Callable[[Sequence[int]], OpGraph], graph: OpGraph, stages: int,

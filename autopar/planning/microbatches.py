@@ -39,9 +39,10 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.driver import Planning
-from autopar.rewrite.accumulate import batch_size, step_of
+from autopar.planning.driver import Planning, Tracer
+from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
+from autopar.schedule import Schedule
 from autopar.trace.ir import OpGraph
 
 T = TypeVar("T")
@@ -58,10 +59,10 @@ def check_microbatches(microbatches: int | str) -> None:
 
 
 def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                   traced: Callable[..., Planning], shape: MeshShape | int,
+                   traced: Tracer, shape: MeshShape | int,
                    limit: int | None, stages: int = 1, repeats: int = 1
                    ) -> tuple[Planning, Decisions, Plan]:
-    """(Planning, Decisions, Plan): the step traced by `traced(step, M, groups)` and planned
+    """(Planning, Decisions, Plan): the step traced by `traced(schedule)` and planned
     on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
     loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
@@ -69,8 +70,7 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
     round), in shares on the
     other axes where that is no slower."""
     def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
-        planning = traced(step_of(call, m, batch_argnums, 1, stages, repeats), m, 1, stages,
-                          repeats)
+        planning = traced(Schedule(m, stages=stages, rounds=repeats))
         return planning, planning.plan(shape, limit)
 
     shares = _stage_shares_first(call, microbatches, batch_argnums, traced, shape, limit,
@@ -94,7 +94,7 @@ def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Seq
 
 
 def _stage_shares_first(call: Call, microbatches: int | str,
-                        batch_argnums: int | Sequence[int], traced: Callable[..., Planning],
+                        batch_argnums: int | Sequence[int], traced: Tracer,
                         shape: MeshShape | int, limit: int | None, stages: int, repeats: int
                         ) -> tuple[Planning, Decisions, Plan, bool] | str | None:
     """A pipeline on a mesh with one axis of G > 1 devices besides 'stage': the step with G
@@ -112,8 +112,7 @@ def _stage_shares_first(call: Call, microbatches: int | str,
     if batch_size(call.abstract(), positions, 1) % (microbatches * groups):
         return None  # _reduced_once says why
     try:
-        planning = traced(step_of(call, microbatches, batch_argnums, groups, stages, repeats),
-                          microbatches, groups, stages, repeats)
+        planning = traced(Schedule(microbatches, groups, stages, repeats))
         decisions, p = planning.plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code, or no fit
         return f"in {groups} shares: {e}"
@@ -141,7 +140,7 @@ def _splits_loop_products(graph: OpGraph, decisions: Decisions, axis: str) -> bo
 
 
 def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
-                  traced: Callable[..., Planning], limit: int | None,
+                  traced: Tracer, limit: int | None,
                   first: tuple[Planning, Decisions, Plan], stages: int = 1,
                   repeats: int = 1, shares: tuple | str | None = None
                   ) -> tuple[Planning, Decisions, Plan]:
@@ -160,7 +159,7 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(shares)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     shape = mesh_shape(dict(p.mesh))
-    groups = _share_count(call, batch_argnums, traced, p, positions, shape, stages > 1)
+    groups = _share_count(traced, p, positions, shape, stages > 1)
     size = batch_size(call.abstract(), positions, 1)
     if groups == 1:
         return per_microbatch("no plan splits the batch")
@@ -171,9 +170,7 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         if shares is not None:
             grouped_planning, grouped_decisions, grouped, _ = shares
         else:
-            grouped_planning = traced(step_of(call, p.microbatches, batch_argnums, groups,
-                                              stages, repeats), p.microbatches, groups,
-                                      stages, repeats)
+            grouped_planning = traced(Schedule(p.microbatches, groups, stages, repeats))
             grouped_decisions, grouped = grouped_planning.plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
         return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
@@ -183,9 +180,8 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
     return grouped_planning, grouped_decisions, grouped
 
 
-def _share_count(call: Call, batch_argnums: int | Sequence[int],
-                 traced: Callable[..., Planning], p: Plan,
-                 positions: Sequence[int], shape: MeshShape, staged: bool = False) -> int:
+def _share_count(traced: Tracer, p: Plan, positions: Sequence[int], shape: MeshShape,
+                 staged: bool = False) -> int:
     """G: the device groups `p` splits its batch over, else those of the step planned in one
     batch without a memory limit (reducing per microbatch can make a plan keep the batch
     whole, which the shares would not have to); 1 where neither splits it. `staged`: the
@@ -199,7 +195,7 @@ def _share_count(call: Call, batch_argnums: int | Sequence[int],
     if staged and len(others) == 1:
         return dict(p.mesh)[others[0]]
     try:
-        _, whole = traced(step_of(call, 1, batch_argnums), 1, 1).plan(shape, None)
+        _, whole = traced(Schedule()).plan(shape, None)
     except AutoparError:
         return 1
     return batch_groups(whole, positions, staged)

@@ -25,7 +25,7 @@ why it was left out.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 from autopar import progress
 from autopar.calling import Call
@@ -33,7 +33,7 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.driver import Planning
+from autopar.planning.driver import Planning, Tracer
 from autopar.planning.microbatches import planned_within
 from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
@@ -44,7 +44,7 @@ ROUNDS = (2, 4, 8)  # the circular schedule's rounds weighed, fewest first
 
 
 def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                     traced: Callable[..., Planning], shape: MeshShape | int,
+                     traced: Tracer, shape: MeshShape | int,
                      limit: int | None, pipeline: int | str, repeats: int = 1
                      ) -> tuple[Planning, Decisions, Plan, MeshShape | int]:
     """(Planning, Decisions, Plan, the mesh to plan it on again): `planned_within`'s plan for

@@ -44,6 +44,7 @@ from autopar.rewrite.batches import (diff_leaves, grads_shape, lead, regroup, st
 from autopar.rewrite.gpipe import pipelined_value_and_grad
 from autopar.rewrite.microbatch import evaluate, hoisted_values
 from autopar.rewrite.separable import Separability
+from autopar.schedule import Schedule
 
 _ACTIVE: contextvars.ContextVar[_Accumulation | None] = contextvars.ContextVar(
     "autopar_accumulation", default=None)
@@ -81,36 +82,31 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return wrapped
 
 
-def step_of(call: Call, microbatches: int, batch_argnums: int | Sequence[int],
-            groups: int = 1, stages: int = 1, repeats: int = 1) -> Callable:
-    """The step autopar traces: the call's, its gradient accumulated over `microbatches`
-    (kept per share of `groups` device groups, see the module's docstring), or its loss's
-    layer stack pipelined over `stages`, `repeats` times round (gpipe.py)."""
-    if microbatches == 1 and stages == 1:
+def step_of(call: Call, schedule: Schedule, batch_argnums: int | Sequence[int]) -> Callable:
+    """The step autopar traces: the call's, or with its gradient accumulated and its loss's
+    layer stack pipelined as `schedule` says (see the module's docstring and gpipe.py)."""
+    if not schedule.rewrites:
         return call.step()
-    return accumulating(call.step(), microbatches,
-                        call.traced_positions(batch_argnums, "batch_argnums"), groups, stages,
-                        repeats)
+    return accumulating(call.step(), schedule,
+                        call.traced_positions(batch_argnums, "batch_argnums"))
 
 
-def accumulating(step: Callable, microbatches: int, batch: Sequence[int],
-                 groups: int = 1, stages: int = 1, repeats: int = 1) -> Callable:
+def accumulating(step: Callable, schedule: Schedule, batch: Sequence[int]) -> Callable:
     """`step` (a function of its traced arguments) with its value_and_grad accumulated over
-    `microbatches`; `batch`: the positions of the arguments split into microbatches;
-    `groups`: the shares each microbatch is computed in, side by side; `stages`: pipeline
-    stages of the loss's layer stack, `repeats` times round."""
+    the schedule's microbatches, each computed in its shares side by side, and its loss's
+    layer stack pipelined over its stages, its rounds times; `batch`: the positions of the
+    arguments split into microbatches."""
     @functools.wraps(step)  # the step's name and signature: its inputs' paths
     def run(*args: Any) -> Any:
-        accumulation = _Accumulation(step, microbatches, tuple(batch), args, groups, stages,
-                                     repeats)
+        accumulation = _Accumulation(step, schedule, tuple(batch), args)
         token = _ACTIVE.set(accumulation)
         try:
             out = step(*args)
         finally:
             _ACTIVE.reset(token)
         if not accumulation.calls:
-            what = (f"pipeline={stages} pipelines" if stages > 1 else
-                    f"microbatches={microbatches} accumulates the gradient of")
+            what = (f"pipeline={schedule.stages} pipelines" if schedule.stages > 1 else
+                    f"microbatches={schedule.microbatches} accumulates the gradient of")
             raise AutoparError(
                 f"{what} the step's loss, and this step took its gradient with something "
                 "autopar cannot see. Fix: use autopar.value_and_grad (or autopar.grad) in "
@@ -122,12 +118,9 @@ def accumulating(step: Callable, microbatches: int, batch: Sequence[int],
 @dataclasses.dataclass
 class _Accumulation:
     step: Callable
-    microbatches: int
+    schedule: Schedule
     batch: tuple[int, ...]
     args: tuple
-    groups: int = 1  # shares of each microbatch, computed side by side and summed after the loop
-    stages: int = 1  # >1: the loss's layer stack pipelined over so many (gpipe.py)
-    repeats: int = 1  # >1: the circular schedule's rounds through the stages
     calls: int = 0
     mode: str = "full"  # "probe": trace a microbatch's loss; "microbatch": run one
     captured: Any = None
@@ -145,16 +138,18 @@ class _Accumulation:
         self.calls += 1
         if self.calls > 1:
             raise AutoparError(
-                f"microbatches={self.microbatches} accumulates one loss per step, and this "
-                "step calls autopar.value_and_grad twice. Fix: add the losses into one "
-                "function and take one value_and_grad of it.")
+                f"microbatches={self.schedule.microbatches} accumulates one loss per step, "
+                "and this step calls autopar.value_and_grad twice. Fix: add the losses into "
+                "one function and take one value_and_grad of it.")
         full, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
-        probe, parts, diff = self._probe(), self.microbatches * self.groups, diff_leaves(args,
-                                                                                          argnums)
-        if self.stages > 1:
+        schedule = self.schedule
+        probe, parts = self._probe(), schedule.microbatches * schedule.shares
+        diff = diff_leaves(args, argnums)
+        if schedule.stages > 1:
             return pipelined_value_and_grad(
                 full, probe, parts, diff, jax.tree_util.tree_structure(out_shape), args,
-                argnums, options, self.stages, self.microbatches, self.groups, self.repeats)
+                argnums, options, schedule.stages, schedule.microbatches, schedule.shares,
+                schedule.rounds)
         analysis = Separability(full, probe, parts, diff)
         hoisted, randoms = hoisted_values(analysis, full, jax.tree_util.tree_leaves(args))
         return self._loop(analysis, hoisted, randoms, out_shape, argnums, args)
@@ -184,7 +179,7 @@ class _Accumulation:
 
     def _sizes(self) -> tuple[int, int]:
         """(batch size, size of a microbatch's share), checked."""
-        parts = self.microbatches * self.groups
+        parts = self.schedule.microbatches * self.schedule.shares
         size = batch_size(self.args, self.batch, parts)
         return size, size // parts
 
@@ -200,7 +195,7 @@ class _Accumulation:
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self, analysis: Separability, hoisted: dict, randoms: list, out_shape: Any,
               argnums: int | Sequence[int], args: tuple) -> Any:
-        m, g = self.microbatches, self.groups
+        m, g = self.schedule.microbatches, self.schedule.shares
         size, _ = self._sizes()
         split = [jax.tree_util.tree_map(lambda x: strided(x, m, g) if jnp.ndim(x) else
                                         jnp.broadcast_to(x, lead(m, g) + jnp.shape(x)),
