@@ -63,12 +63,12 @@ def pytest_configure(config):
     jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
 
 
+_events_at_start = pytest.StashKey[dict]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     item.stash[_events_at_start] = dict(_event_seconds)
-
-
-_events_at_start = pytest.StashKey[dict]()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -77,11 +77,10 @@ def pytest_runtest_makereport(item, call):
     if call.when == "call" and report.passed and item.get_closest_marker("slow") is None \
             and report.duration > FAST_LIMIT_S:
         report.user_properties.append(("slow_in_fast_tier", report.duration))
-    if call.when == "teardown" and _events_at_start in item.stash:
+    if call.when == "teardown" and _events_at_start in item.stash:  # the whole test's
         start = item.stash[_events_at_start]
-        spent = {k: v - start.get(k, 0.0) for k, v in _event_seconds.items()}
-        tier = "slow" if item.get_closest_marker("slow") else "fast"
-        report.user_properties.append(("tier_seconds", (tier, spent)))
+        report.user_properties.append(
+            ("jax_seconds", {k: v - start[k] for k, v in _event_seconds.items()}))
 
 
 def pytest_runtest_logreport(report):
@@ -91,9 +90,9 @@ def pytest_runtest_logreport(report):
     totals = _tier_seconds.setdefault(tier, {"tests": 0, "all": 0.0})
     totals["all"] += report.duration
     totals["tests"] += report.when == "call"
-    for k, (_, spent) in ((k, v) for k, v in report.user_properties if k == "tier_seconds"):
-        for name, seconds in spent.items():
-            totals[name] = totals.get(name, 0.0) + seconds
+    for name, seconds in next((v for k, v in report.user_properties if k == "jax_seconds"),
+                              {}).items():
+        totals[name] = totals.get(name, 0.0) + seconds
 
 
 def pytest_terminal_summary(terminalreporter):
