@@ -6,8 +6,10 @@ What differs, suggested by the TPU compiler's buffer dumps and checked against
 calibrated: docs/decisions.md, "TPU buffer model"):
 - its fusion takes more in: a dot or convolution reads elementwise and layout chains inside
   its own fusion, and a cheap chain read by several fusions is recomputed in each, so such a
-  value gets no buffer; an expensive one (exp, div) read by several, or kept for the
-  backward pass, is written once;
+  value gets no buffer; an expensive one (exp, div) read by several in one pass is written
+  once, but one kept for the backward pass is recomputed there, where every reader fuses it
+  (the loss's exp, from the logits the backward pass keeps anyway: libtpu 0.0.42.1 writes no
+  exp buffer for a decoder on v5e 2x4 nor for Llama-3-8B on v5p 4x4x4, docs/decisions.md);
 - its layout assignment picks the layouts dots want, so no operand is transposed into a copy;
 - a loop's body runs with its own buffer reuse: its values are held from their producer to
   their last reader inside the body, not all together (a scanned decoder layer's backward
@@ -37,9 +39,11 @@ TPU_FUSING_READERS = FUSING_READERS | {"dot_general", "conv_general_dilated"}
 def value_buffers(graph: OpGraph) -> ValueBuffers:
     """The values the TPU compiler writes to buffers of their own (see the module)."""
     def written(name: str, kind: str | None, reader_names: list[str]) -> bool:
-        expensive = name not in CHEAP and (len(reader_names) > 1 or kind == "activations")
-        return (name not in FUSED or expensive
-                or any(r not in TPU_FUSING_READERS for r in reader_names))
+        fusing = all(r in TPU_FUSING_READERS for r in reader_names)
+        if name in FUSED and kind == "activations" and fusing:
+            return False  # recomputed in the backward pass's fusions, from what they keep
+        return (name not in FUSED or not fusing
+                or (name not in CHEAP and len(reader_names) > 1))
     return buffered_values(graph, written)
 
 
