@@ -6,8 +6,8 @@ What differs, suggested by the TPU compiler's buffer dumps and checked against
 calibrated: docs/decisions.md, "TPU buffer model"):
 - its fusion takes more in: a dot or convolution reads elementwise and layout chains inside
   its own fusion, and a cheap chain read by several fusions is recomputed in each, so such a
-  value gets no buffer; an expensive one (exp, div) read by several in one pass is written
-  once, but one kept for the backward pass is recomputed there, where every reader fuses it
+  value gets no buffer; an expensive one (exp, div) read by several is written once, unless
+  the backward pass reads it: then it is recomputed there, where every reader fuses it
   (the loss's exp, from the logits the backward pass keeps anyway: libtpu 0.0.42.1 writes no
   exp buffer for a decoder on v5e 2x4 nor for Llama-3-8B on v5p 4x4x4, docs/decisions.md);
 - its layout assignment picks the layouts dots want, so no operand is transposed into a copy;
