@@ -24,6 +24,7 @@ from autopar.mesh import make_mesh
 from autopar.placement.stored import Placed, unpack
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan, load_plan
 from autopar.plan_cache import plan_cache_dir, set_plan_cache_dir
+from autopar.plan_stats import Cost, SearchStats
 from autopar.plan_diff import PlanDiff, diff
 from autopar.preemption import Preemption
 from autopar.rewrite.accumulate import grad, value_and_grad
@@ -32,7 +33,8 @@ from autopar.trace.shard import shard
 __all__ = ["AutoParallel", "auto_parallel", "plan", "shard", "value_and_grad", "grad",
            "PROFILES", "Hardware", "measure_host", "calibrate", "load_hardware", "AutoparError",
            "MemoryLimitError", "Evaluation", "evaluate", "AutoparWarning", "make_mesh",
-           "OpDecision", "Plan", "Redistribution", "TensorPlan", "load_plan", "save_checkpoint",
+           "OpDecision", "Plan", "Cost", "SearchStats", "Redistribution", "TensorPlan",
+           "load_plan", "save_checkpoint",
            "restore_checkpoint", "checkpoint_plan", "latest_checkpoint", "wait_for_checkpoints",
            "Preemption", "diff", "PlanDiff", "set_plan_cache_dir", "plan_cache_dir",
            "process_rows", "global_batch", "is_main_process", "Placed", "unpack"]

@@ -14,7 +14,7 @@ from autopar.cost.xla import buffer_model
 from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
-from autopar.placement.lanes import Lanes, traced_lanes
+from autopar.placement.lanes import Lanes, StackedTrace, traced_lanes
 from autopar.placement.storable import Storage, storage
 from autopar.plan import Plan
 from autopar.planning.assemble import assemble, output_specs, pipeline_detail
@@ -53,8 +53,9 @@ def applied(call: Call, saved: Plan, shape: MeshShape, hw: Hardware, platform: s
         step = reading_stored(step, stored.reads)
     lanes = saved.lanes
     if lanes is not None:  # the Python loop's layers stacked, as the plan stores them
-        graph, lanes, out_tree, in_tree, plan_out_tree = _saved_lanes(step, call, lanes,
-                                                                      platform)
+        found = _saved_lanes(step, call, lanes, platform)
+        graph, lanes, out_tree = found.graph, found.lanes, found.out_tree
+        in_tree, plan_out_tree = found.in_tree, found.plan_out_tree
     else:
         plain = not schedule.rewrites and stored is None  # the step as written
         graph, in_tree, out_shape = trace(step, call.abstract(), call.donated,
@@ -71,7 +72,7 @@ def applied(call: Call, saved: Plan, shape: MeshShape, hw: Hardware, platform: s
     decisions = decisions_from_plan(graph, saved, shape)
 
     def assembled() -> Plan:
-        plan = assemble(graph, decisions, shape, hw, saved.search, dict(saved.search_stats),
+        plan = assemble(graph, decisions, shape, hw, saved.search, saved.search_stats,
                         in_tree, plan_out_tree, buffers=buffer_model(platform))
         # what was recorded when it was planned (the limit, the compiled bytes) stays
         plan = dataclasses.replace(plan, memory={**saved.memory, **plan.memory},
@@ -84,13 +85,12 @@ def applied(call: Call, saved: Plan, shape: MeshShape, hw: Hardware, platform: s
                    stored, lanes)
 
 
-def _saved_lanes(step: Callable, call: Call, saved: Lanes, platform: str) -> tuple:
-    """The step traced over the layers a saved plan stores stacked (traced_lanes: its graph,
-    Lanes, output tree and the plan's trees); an AutoparError where this step stacks other
-    leaves."""
+def _saved_lanes(step: Callable, call: Call, saved: Lanes, platform: str) -> StackedTrace:
+    """The step traced over the layers a saved plan stores stacked (traced_lanes); an
+    AutoparError where this step stacks other leaves."""
     found = traced_lanes(step, call.abstract(), call.donated, platform)
-    if found is None or found[1] != saved:
-        got = found[1].families if found else 0
+    if found is None or found.lanes != saved:
+        got = found.lanes.families if found else 0
         raise AutoparError(
             f"the saved plan keeps {saved.families} families of a Python loop's layers "
             f"stacked, and this step lets {got} be stacked "

@@ -142,18 +142,18 @@ def explain(plan: Plan, path: str, replanner: Replanner | None, alternatives: in
     moved = tuple(r for r in plan.redistributions if r.tensor == path)
     annotated = _annotation(replanner.annotations if replanner else None, path)
     if annotated is not None:
-        return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
+        return Explanation(tensor, plan.cost.total_s, plan.cost.peak_memory_bytes, moved,
                            (), f"your annotation {annotated[0]!r}: {annotated[1]}", plan.mesh)
     specs = _candidates(tensor, dict(plan.mesh))[:alternatives]
     if not specs:
-        return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
+        return Explanation(tensor, plan.cost.total_s, plan.cost.peak_memory_bytes, moved,
                            (), "no alternative: no dimension divides by a mesh axis", plan.mesh)
     if replanner is None:
-        return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
+        return Explanation(tensor, plan.cost.total_s, plan.cost.peak_memory_bytes, moved,
                            (), "not known: this plan was read from JSON and cannot search "
                            "again (plan the step, then explain)", plan.mesh)
     tried = tuple(_tried(replanner.replan, path, spec) for spec in specs)
-    return Explanation(tensor, plan.cost["total_s"], plan.cost["peak_memory_bytes"], moved,
+    return Explanation(tensor, plan.cost.total_s, plan.cost.peak_memory_bytes, moved,
                        tried, _decided(plan, tried), plan.mesh)
 
 
@@ -193,10 +193,10 @@ def _tried(replan: Replan, path: str, spec: PartitionSpec) -> Alternative:
     pins = {f"^{re.escape(path)}$": spec}
     try:
         p = replan(pins, True)
-        return Alternative(spec, p.cost["total_s"], int(p.cost["peak_memory_bytes"]))
+        return Alternative(spec, p.cost.total_s, int(p.cost.peak_memory_bytes))
     except MemoryLimitError:
         try:
-            return Alternative(spec, unlimited_s=replan(pins, False).cost["total_s"])
+            return Alternative(spec, unlimited_s=replan(pins, False).cost.total_s)
         except AutoparError as e:
             return Alternative(spec, why_not=_line(e))
     except AutoparError as e:
@@ -204,7 +204,7 @@ def _tried(replan: Replan, path: str, spec: PartitionSpec) -> Alternative:
 
 
 def _decided(plan: Plan, tried: tuple[Alternative, ...]) -> str:
-    total = plan.cost["total_s"]
+    total, stats = plan.cost.total_s, plan.search_stats
     unfit = [a for a in tried if a.unlimited_s is not None and a.unlimited_s < total]
     if unfit:
         best = min(unfit, key=lambda a: a.unlimited_s)
@@ -215,14 +215,14 @@ def _decided(plan: Plan, tried: tuple[Alternative, ...]) -> str:
         best = min(cheaper, key=lambda a: a.total_s)
         return (f"the search, which missed a faster plan: {best.spec} "
                 f"({best.total_s * 1e3:.3f} ms); its gap is "
-                f"{plan.search_stats.get('gap', 'unknown')}")
+                f"{'unknown' if stats.gap is None else stats.gap}")
     planned = [a for a in tried if a.total_s is not None]
     if not planned:
         return "the rules: no alternative could be planned"
     notes = []
-    if plan.search_stats.get("tied_units"):
+    if stats.tied_units:
         notes.append("instances of a repeated layer two apart share their strategies")
-    if plan.search_stats.get("memory_price_s_per_byte") or plan.recompute:
+    if stats.memory_price_s_per_byte or plan.recompute:
         notes.append("the whole plan was searched within memory_limit")
     return ("the cost model: every alternative tried is no faster"
             + (f" ({'; '.join(notes)})" if notes else ""))

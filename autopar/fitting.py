@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -37,7 +38,7 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.driver import Planning
+from autopar.planning.driver import Planned, Planning
 
 CHECK_BAND = 0.85
 # The TPU model's estimates read 0.93-1.00 of the TPU compiler's peak on the 64-chip suite's
@@ -52,58 +53,57 @@ COSTLY_BUDGET = 1.25
 # very program of the data-parallel jax.jit (same instructions), compiled to 0.39% more
 # temporaries pinned than propagated.
 NEAR_MISS = 1.02
-# What the schedule's planning (planning/schedules.py, microbatches.py) adds to a plan's stats.
-SCHEDULE_STATS = ("schedules_tried", "microbatches_tried", "reduced_per_microbatch")
+
+
+@dataclass
+class _Again:
+    """Plans the step again (another limit, no tracing): on `mesh` (a device count stays a
+    count), its statistics with what the schedules' search weighed (`weighed`)."""
+
+    planning: Planning
+    mesh: MeshShape | int
+    weighed: dict[str, Any]
+
+    def plan(self, limit: int | None) -> tuple[Decisions, Plan]:
+        planned = self.planning.plan(self.mesh, limit).noting(**self.weighed)
+        return planned.decisions, planned.plan
+
 
 # -> the step's signature: a dataclass whose `make_plan` field gives the Plan it runs
 Make = Callable[[Decisions, Plan], Any]
 Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled)
 
 
-def fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
-           decisions: Decisions, p: Plan, make: Make, compiled_of: Compiled) -> Any:
+def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compiled) -> Any:
     """The signature of the plan to run under `memory_limit`, starting from the budgeted
-    search's (`decisions`, `p`), compiled where the estimate's error could decide. A plan
-    searched again here keeps what `p` says of the schedules and microbatch counts weighed
-    (SCHEDULE_STATS)."""
-    made = _fitted(planning, shape, memory_limit, decisions, p, make, compiled_of)
-    weighed = {k: p.search_stats[k] for k in SCHEDULE_STATS if k in p.search_stats}
-    if not weighed:
-        return made
-    plan_of = made.make_plan
-
-    def with_weighed() -> Plan:
-        q = plan_of()
-        return dataclasses.replace(q, search_stats={**q.search_stats, **weighed})
-    return dataclasses.replace(made, make_plan=with_weighed)
-
-
-def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
-            decisions: Decisions, p: Plan, make: Make, compiled_of: Compiled) -> Any:
-    budgeted = "memory_price_s_per_byte" in p.search_stats
+    search's (`planned`), compiled where the estimate's error could decide. A plan searched
+    again here keeps what `planned` says of the schedules and microbatch counts weighed."""
+    planning, decisions, p = planned.planning, planned.decisions, planned.plan
+    again = _Again(planning, planned.mesh, p.search_stats.schedules_weighed())
+    budgeted = p.search_stats.budgeted
     if budgeted:
-        unbudgeted, scale = _unbudgeted(planning, shape, memory_limit, make, compiled_of, p)
+        unbudgeted, scale = _unbudgeted(again, memory_limit, make, compiled_of, p)
         if unbudgeted is not None:
             return unbudgeted
         if not planning.prove and planning.search == "dynamic_programming":
             # the budget's answer is kept: now worth proving (stepper.py put it off)
-            planning.prove, shape = True, mesh_shape(dict(p.mesh))
-            decisions, p = planning.plan(shape, memory_limit)
+            planning.prove, again.mesh = True, mesh_shape(dict(p.mesh))
+            decisions, p = again.plan(memory_limit)
         if scale > 1:
-            scaled = _scaled(planning, shape, memory_limit, scale, p, make, compiled_of)
+            scaled = _scaled(again, memory_limit, scale, p, make, compiled_of)
             if scaled is not None:
                 return scaled
     # A platform without a calibrated buffer model is checked whenever the budget binds, and
     # wherever its estimate is within that model's error of the limit.
     band = CHECK_BAND if planning.buffers.calibrated else UNCALIBRATED_BAND
-    if (p.cost["peak_memory_bytes"] < band * memory_limit
+    if (p.cost.peak_memory_bytes < band * memory_limit
             and (planning.buffers.calibrated or not budgeted)):
         return make(decisions, p)
     limit, compiled = memory_limit, 0
     for check in range(COMPILE_CHECKS + 1):
         if check:
             try:
-                decisions, p = planning.plan(shape, limit)
+                decisions, p = again.plan(limit)
             except AutoparError as e:
                 raise AutoparError(
                     f"the plan estimated to fit memory_limit={mib(memory_limit)} compiled "
@@ -116,22 +116,23 @@ def _fitted(planning: Planning, shape: MeshShape | int, memory_limit: int,
             return dataclasses.replace(made, make_plan=lambda: p)
         if check == COMPILE_CHECKS:
             raise AutoparError(
-                f"the plan estimated at {mib(p.cost['peak_memory_bytes'])} per device "
+                f"the plan estimated at {mib(p.cost.peak_memory_bytes)} per device "
                 f"compiles to {mib(compiled)}, over memory_limit={mib(memory_limit)} on mesh "
-                f"{shape}, after planning for {COMPILE_CHECKS} smaller estimates. Fix: raise "
+                f"{again.mesh}, after planning for {COMPILE_CHECKS} smaller estimates. Fix: raise "
                 "memory_limit, use more devices, or shrink the batch.")
         # Plan for the estimate that, off by as much as this one, would fit.
-        limit = min(limit - 1, int(memory_limit * p.cost["peak_memory_bytes"] / compiled))
+        limit = min(limit - 1, int(memory_limit * p.cost.peak_memory_bytes / compiled))
     raise AssertionError("unreachable")
 
 
 def _with_compiled(p: Plan, compiled: int, checks: int) -> Plan:
     return dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
-                               search_stats={**p.search_stats, "compile_checks": checks})
+                               search_stats=dataclasses.replace(p.search_stats,
+                                                                compile_checks=checks))
 
 
-def _unbudgeted(planning: Planning, shape: MeshShape | int, memory_limit: int, make: Make,
-                compiled_of: Compiled, budgeted: Plan) -> tuple[Any, float]:
+def _unbudgeted(again: _Again, memory_limit: int, make: Make, compiled_of: Compiled,
+                budgeted: Plan) -> tuple[Any, float]:
     """The plan made without a memory limit, where XLA's own figure puts it within the
     limit: it is faster than the leaner plan the budget chose (a small GPT at a data-parallel
     expert's memory was estimated 7% over it and planned 2.6x slower). Compiled only where its
@@ -140,28 +141,31 @@ def _unbudgeted(planning: Planning, shape: MeshShape | int, memory_limit: int, m
     needs), or where the `budgeted` plan is predicted COSTLY_BUDGET times slower (a small
     ResNet's estimate read 29% over XLA's figure, and its budgeted plan was 2x slower). With
     it, or None, how far its estimate reads over XLA's figure (1: not known)."""
-    decisions, p = planning.plan(shape, None)
-    costly = budgeted.cost["total_s"] > COSTLY_BUDGET * p.cost["total_s"]
-    if (planning.buffers.calibrated and not costly
-            and CHECK_BAND * p.cost["peak_memory_bytes"] > memory_limit):
+    decisions, p = again.plan(None)
+    costly = budgeted.cost.total_s > COSTLY_BUDGET * p.cost.total_s
+    if (again.planning.buffers.calibrated and not costly
+            and CHECK_BAND * p.cost.peak_memory_bytes > memory_limit):
         return None, 1.0
     made = make(decisions, p)
     executable, compiled = _compiled(compiled_of, made)
     if compiled > memory_limit:
-        scale = p.cost["peak_memory_bytes"] / max(compiled, 1)
+        scale = p.cost.peak_memory_bytes / max(compiled, 1)
         if compiled > NEAR_MISS * memory_limit:
             return None, scale
-        return _propagated(planning, memory_limit, decisions, p, made, executable, make,
+        return _propagated(again.planning, memory_limit, decisions, p, made, executable, make,
                            compiled_of), scale
     return _kept(made, p, compiled, memory_limit, 1), 1.0
 
 
 def _kept(made: Any, p: Plan, compiled: int, memory_limit: int, checks: int,
-          **stats: Any) -> Any:
-    """`made`, its Plan with XLA's memory figure and the limit."""
+          pinned_inside: bool = True) -> Any:
+    """`made`, its Plan with XLA's memory figure and the limit; not `pinned_inside`: lowered
+    with its inputs' and outputs' shardings alone (said in its statistics)."""
     p = _with_compiled(p, compiled, checks)
+    stats = (p.search_stats if pinned_inside else
+             dataclasses.replace(p.search_stats, pinned_inside=False))
     p = dataclasses.replace(p, memory={**p.memory, "limit_bytes": memory_limit},
-                            search_stats={**p.search_stats, **stats})
+                            search_stats=stats)
     return dataclasses.replace(made, make_plan=lambda: p)
 
 
@@ -180,8 +184,8 @@ def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: 
     return _kept(made, p, compiled, memory_limit, 2, pinned_inside=False)
 
 
-def _scaled(planning: Planning, shape: MeshShape | int, memory_limit: int, scale: float,
-            budgeted: Plan, make: Make, compiled_of: Compiled) -> Any:
+def _scaled(again: _Again, memory_limit: int, scale: float, budgeted: Plan, make: Make,
+            compiled_of: Compiled) -> Any:
     """The plan for the estimate that, reading `scale` times over XLA's figure as the
     unbudgeted plan's did, fills the limit: kept where it compiles within the limit and is
     predicted faster than the `budgeted` plan. A mixture of experts at an expert-parallel
@@ -189,10 +193,10 @@ def _scaled(planning: Planning, shape: MeshShape | int, memory_limit: int, scale
     chose a plan estimated at 477 (1.537 ms judged on h100, 1.06x the expert); planned for 639
     it is 619, compiles to 553 and is judged 1.330 ms."""
     try:
-        decisions, p = planning.plan(shape, int(memory_limit * scale))
+        decisions, p = again.plan(int(memory_limit * scale))
     except AutoparError:
         return None
-    if p.cost["total_s"] >= budgeted.cost["total_s"]:
+    if p.cost.total_s >= budgeted.cost.total_s:
         return None
     made = make(decisions, p)
     compiled = _compiled(compiled_of, made)[1]

@@ -17,14 +17,9 @@ from jax.sharding import PartitionSpec
 from autopar.errors import AutoparError
 from autopar.placement.lanes import Lanes
 from autopar.placement.storable import Storage
+from autopar.plan_stats import Cost, SearchStats
 from autopar.rules.factors import Spec, to_partition_spec
 from autopar.schedule import Schedule
-
-
-# search_stats' wall-clock entries, left out of the JSON and of equality
-WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s", "dual_s",
-                        "shortlist_seconds"})
-PRICED = {"compute_s", "communication_s", "total_s", "peak_memory_bytes"}  # a cost's parts
 
 
 @dataclass(frozen=True)
@@ -114,7 +109,10 @@ class Plan:
 
     `specs` maps every input and output path to its PartitionSpec; `ops` holds every operator
     decision, `decisions` those the search made (the rest follow them); `cost` the totals per
-    device. A plan read from compact JSON has `decisions` but no `ops` (`decided` holds them).
+    device (a Cost) and `search_stats` what the search found out (a SearchStats): records
+    read by field (`plan.cost.total_s`) that also read as the JSON's flat mappings
+    (`plan.cost["total_s"]`; `dict(plan.cost)` for json.dumps). A plan read from compact
+    JSON has `decisions` but no `ops` (`decided` holds them).
     Plans are equal when all but `ops` are: the same decisions make the same operators.
     """
 
@@ -124,8 +122,8 @@ class Plan:
     inputs: tuple[TensorPlan, ...]
     outputs: tuple[TensorPlan, ...]
     ops: tuple[OpDecision, ...] = field(compare=False)
-    cost: dict[str, float] = field(hash=False)
-    search_stats: dict[str, Any] = field(hash=False, compare=False, default_factory=dict)
+    cost: Cost = field(hash=False)
+    search_stats: SearchStats = field(hash=False, compare=False, default_factory=SearchStats)
     redistributions: tuple[Redistribution, ...] = ()
     in_tree: Any = field(default=None, compare=False, hash=False, repr=False)
     out_tree: Any = field(default=None, compare=False, hash=False, repr=False)
@@ -151,6 +149,11 @@ class Plan:
     # how to search again with inputs pinned (explain.Replanner); None for a plan from JSON
     replanner: Any = field(default=None, compare=False, hash=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # a flat mapping given (a plan's JSON, a hand-made Plan) is read as its record
+        object.__setattr__(self, "cost", Cost.of(self.cost))
+        object.__setattr__(self, "search_stats", SearchStats.of(self.search_stats))
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented
@@ -168,7 +171,7 @@ class Plan:
     def stable_stats(self) -> dict[str, Any]:
         """search_stats without its wall-clock seconds: what the same problem reproduces, on
         any machine and in every process (the JSON holds these)."""
-        return {k: v for k, v in self.search_stats.items() if k not in WALL_CLOCK}
+        return self.search_stats.stable()
 
     @functools.cached_property
     def decisions(self) -> tuple[Decision | Repeat, ...]:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from autopar.errors import AutoparError
 from autopar.name_ranges import collapse
 from autopar.plan import Plan, TensorPlan
+from autopar.plan_stats import Cost
 from autopar.trace.layers import layer_key
 
-# the cost entries compared, in order, and how they read
+# the times compared (Cost's fields), in order, and how they read
 TIMES = (("total_s", "step"), ("compute_s", "compute"), ("communication_s", "communication"))
 
 
@@ -36,8 +37,8 @@ class PlanDiff:
     changed: tuple[SpecChange, ...]
     only_a: tuple[str, ...]  # input paths plan b does not have
     only_b: tuple[str, ...]
-    cost_a: dict[str, float]
-    cost_b: dict[str, float]
+    cost_a: Cost
+    cost_b: Cost
 
     @property
     def same_specs(self) -> bool:
@@ -45,19 +46,18 @@ class PlanDiff:
 
     def collectives(self) -> dict[str, tuple[float, float]]:
         """Bytes per device moved by each collective kind, (in a, in b)."""
-        kinds = sorted({k[:-len("_bytes")] for c in (self.cost_a, self.cost_b) for k in c
-                        if k.endswith("_bytes") and k != "peak_memory_bytes"})
-        return {k: (self.cost_a.get(f"{k}_bytes", 0.0), self.cost_b.get(f"{k}_bytes", 0.0))
-                for k in kinds}
+        a, b = self.cost_a.collective_bytes, self.cost_b.collective_bytes
+        return {k: (a.get(k, 0.0), b.get(k, 0.0)) for k in sorted({*a, *b})}
 
     def __str__(self) -> str:
         lines = [f"plan a on {self.mesh_a}, plan b on {self.mesh_b}"]
         for key, what in TIMES:
-            if key in self.cost_a and key in self.cost_b:
-                lines.append(_row(what, self.cost_a[key] * 1e3, self.cost_b[key] * 1e3, "ms"))
-        if "peak_memory_bytes" in self.cost_a and "peak_memory_bytes" in self.cost_b:
-            lines.append(_row("peak memory", self.cost_a["peak_memory_bytes"] / 2**20,
-                              self.cost_b["peak_memory_bytes"] / 2**20, "MiB"))
+            a, b = getattr(self.cost_a, key), getattr(self.cost_b, key)
+            if a is not None and b is not None:
+                lines.append(_row(what, a * 1e3, b * 1e3, "ms"))
+        a, b = self.cost_a.peak_memory_bytes, self.cost_b.peak_memory_bytes
+        if a is not None and b is not None:
+            lines.append(_row("peak memory", a / 2**20, b / 2**20, "MiB"))
         for kind, (a, b) in self.collectives().items():
             lines.append(_row(f"{kind} per device", a / 2**20, b / 2**20, "MiB"))
         if self.same_specs:
@@ -88,7 +88,7 @@ def diff(a: Plan, b: Plan) -> PlanDiff:
                     if p in in_b and _text(in_a[p]) != _text(in_b[p]))
     return PlanDiff(dict(a.mesh), dict(b.mesh), changed,
                     tuple(p for p in in_a if p not in in_b),
-                    tuple(p for p in in_b if p not in in_a), dict(a.cost), dict(b.cost))
+                    tuple(p for p in in_b if p not in in_a), a.cost, b.cost)
 
 
 def _text(t: TensorPlan) -> str:

@@ -40,19 +40,18 @@ def _overview(plan: Plan) -> str:
     c, m = plan.cost, plan.memory
     rows = [("mesh", ", ".join(f"{n}={s}" for n, s in plan.mesh)), ("search", plan.search),
             ("hardware profile", plan.hardware)]
-    for key, what in (("compute_s", "compute"), ("communication_s", "communication"),
-                      ("total_s", "step")):
-        if key in c:
-            rows.append((f"predicted {what}", f"{c[key] * 1e3:.3f} ms"))
-    if "peak_memory_bytes" in c:
-        rows.append(("predicted peak memory", mib(c["peak_memory_bytes"])))
+    for seconds, what in ((c.compute_s, "compute"), (c.communication_s, "communication"),
+                          (c.total_s, "step")):
+        if seconds is not None:
+            rows.append((f"predicted {what}", f"{seconds * 1e3:.3f} ms"))
+    if c.peak_memory_bytes is not None:
+        rows.append(("predicted peak memory", mib(c.peak_memory_bytes)))
     if m.get("compiled_bytes"):
         rows.append(("compiled peak memory (XLA)", mib(m["compiled_bytes"])))
     if m.get("limit_bytes"):
         rows.append(("memory limit", mib(m["limit_bytes"])))
-    stats = plan.search_stats
-    if {"lower_bound", "objective_s"} <= set(stats):
-        rows.append(("bound", bound_line(plan.search, stats).split(", ", 1)[1]))
+    if plan.search_stats.bounded:
+        rows.append(("bound", bound_line(plan.search, plan.search_stats).split(", ", 1)[1]))
     if plan.recompute:
         rows.append(("recomputed layers", ", ".join(plan.recompute)))
     return _table(None, rows)

@@ -17,12 +17,12 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from autopar.errors import AutoparError
 from autopar.name_ranges import collapse, expand
 from autopar.placement.lanes import Lanes
 from autopar.placement.storable import Storage
 from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
 from autopar.plan_check import check_axes, check_document
+from autopar.plan_stats import Cost, SearchStats
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
 from autopar.trace.layers import instance_of, layer_key
@@ -225,7 +225,7 @@ def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
         "inputs": [tensor_json(t) for t in plan.inputs],
         "outputs": outputs_json(plan.outputs, plan.inputs),
         "decisions": [decision_json(d) for d in plan.decisions],
-        "cost": plan.cost,
+        "cost": plan.cost.as_json(),
         "memory": plan.memory,
         "search_stats": plan.stable_stats(),
         "recompute": list(plan.recompute),
@@ -279,7 +279,8 @@ def plan_fields(body: Any) -> dict[str, Any]:
         lanes=lanes_from(body.get("stored_stacked"), inputs),
         outputs=tuple(outputs_from(body.get("outputs", []), inputs)),
         ops=tuple(op_from(o) for o in body.get("ops", [])),
-        cost=body.get("cost", {}), search_stats=body.get("search_stats", {}),
+        cost=Cost.of(body.get("cost", {})),
+        search_stats=SearchStats.of(body.get("search_stats", {})),
         redistributions=tuple(redistribution_from(r) for r in body.get("redistributions", [])),
         memory=body.get("memory", {}), recompute=tuple(body.get("recompute", [])),
         decided=tuple(decision_from(d) for d in body.get("decisions", [])))

@@ -6,7 +6,8 @@ from typing import Any
 
 from autopar.name_ranges import collapse
 from autopar.placement.storable import Storage
-from autopar.plan import PRICED, Plan, TensorPlan
+from autopar.plan import Plan, TensorPlan
+from autopar.plan_stats import SearchStats
 from autopar.trace.layers import layer_key
 
 
@@ -17,16 +18,16 @@ def summary(plan: Plan, limit: int = 40) -> str:
     width = max([len(r[0]) for r in rows] + [4])
     lines = [f"{'path':<{width}}  {'spec':<28} bytes/device"]
     lines += [f"{p:<{width}}  {s:<28} {b}" for p, s, b in rows]
-    c = plan.cost
-    if PRICED <= set(c):  # a partial plan (annotations read from a file) has no cost
-        lines.append(f"predicted per step: compute {c['compute_s'] * 1e3:.3f} ms, "
-                     f"communication {c['communication_s'] * 1e3:.3f} ms, total "
-                     f"{c['total_s'] * 1e3:.3f} ms; peak memory "
-                     f"{c['peak_memory_bytes'] / 2**20:.1f} MiB per device")
-    if {"lower_bound", "objective_s"} <= set(plan.search_stats):
-        lines.append(bound_line(plan.search, plan.search_stats))
-    elif str(plan.search_stats.get("bound", "")).startswith("none"):
-        lines.append(f"search: {plan.search}, no bound ({plan.search_stats['bound']})")
+    c, stats = plan.cost, plan.search_stats
+    if c.predicted:  # a partial plan (annotations read from a file) has no cost
+        lines.append(f"predicted per step: compute {c.compute_s * 1e3:.3f} ms, "
+                     f"communication {c.communication_s * 1e3:.3f} ms, total "
+                     f"{c.total_s * 1e3:.3f} ms; peak memory "
+                     f"{c.peak_memory_bytes / 2**20:.1f} MiB per device")
+    if stats.bounded:
+        lines.append(bound_line(plan.search, stats))
+    elif (stats.bound or "").startswith("none"):
+        lines.append(f"search: {plan.search}, no bound ({stats.bound})")
     if {"at_peak", "where"} <= set(plan.memory):
         m = plan.memory
         kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"
@@ -54,11 +55,11 @@ def summary(plan: Plan, limit: int = 40) -> str:
                    "reduced in each microbatch")
         lines.append(f"gradient accumulated over {plan.microbatches} microbatches, one "
                      f"after the other, {reduced}")
-    if plan.search_stats.get("schedules_tried"):
+    if stats.schedules_tried:
         lines.append("schedules weighed (pipeline='auto'): " + "; ".join(
-            schedule_line(t) for t in plan.search_stats["schedules_tried"]))
+            schedule_line(t) for t in stats.schedules_tried))
     if plan.recompute:
-        lines.append(f"recomputed in the backward pass ({c.get('recompute_s', 0) * 1e3:.3f}"
+        lines.append(f"recomputed in the backward pass ({(c.recompute_s or 0) * 1e3:.3f}"
                      f" ms more compute): {', '.join(plan.recompute)}")
     at = [r for r in plan.redistributions if r.annotated]
     if at:
@@ -83,19 +84,18 @@ def _grouped(tensors: tuple[TensorPlan, ...]) -> list[tuple[str, TensorPlan]]:
             for pattern in collapse([t.path for t in members])]
 
 
-def bound_line(search: str, stats: dict[str, Any]) -> str:
+def bound_line(search: str, stats: SearchStats) -> str:
     """How far from the cost model's optimum the search's plan can be, as its bound proves."""
-    gap = max(float(stats.get("gap", 0.0)), 0.0)
-    among = (f" among {stats['exact_for']}" if stats.get("exact_for") not in (None, "all plans")
-             else "")
+    gap = max(stats.gap or 0.0, 0.0)
+    among = f" among {stats.exact_for}" if stats.exact_for not in (None, "all plans") else ""
     priced = (" (the objective with memory priced at "
-              f"{stats['memory_price_s_per_byte']:.3g} s/byte)"
-              if stats.get("memory_price_s_per_byte") else "")
-    if stats.get("exact"):
+              f"{stats.memory_price_s_per_byte:.3g} s/byte)"
+              if stats.memory_price_s_per_byte else "")
+    if stats.exact:
         return f"search: {search}, proven optimal under the cost model{among}"
     return (f"search: {search}, within {gap:.2%} of the cost model's optimum{among}{priced}: "
-            f"objective {stats['objective_s'] * 1e3:.3f} ms, lower bound "
-            f"{stats['lower_bound'] * 1e3:.3f} ms")
+            f"objective {stats.objective_s * 1e3:.3f} ms, lower bound "
+            f"{stats.lower_bound * 1e3:.3f} ms")
 
 
 def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int = 1) -> str:

@@ -69,7 +69,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     def searched() -> Plan:
         with young_objects_only():
             return planned_schedule(call, microbatches, batch_argnums, traced, shape, limit,
-                                    pipeline, pipeline_repeats)[2]
+                                    pipeline, pipeline_repeats).plan
 
     with progress.task(f"planning {function_name(fn)}"):
         made = through_cache("plan", call, options, platform, apply, searched, lambda p: p)

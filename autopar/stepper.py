@@ -130,9 +130,9 @@ class AutoParallel:
         # not proven until fitted() rules out the plan made with no limit
         traced = tracer(call, self.batch_argnums, self.hw, self.search, self.annotations,
                         self.platform, self.keep_placement, prove=False)
-        planning, decisions, p, shape = planned_schedule(
-            call, self.microbatches, self.batch_argnums, traced, shape, self.memory_limit,
-            self.stages, self.repeats)
+        planned = planned_schedule(call, self.microbatches, self.batch_argnums, traced, shape,
+                                   self.memory_limit, self.stages, self.repeats)
+        planning = planned.planning
 
         def make(decisions: Decisions, p: Plan) -> _Signature:
             return self._signature(planning.graph, decisions, dict(p.mesh),
@@ -142,7 +142,7 @@ class AutoParallel:
         def compiled_of(made: _Signature) -> Any:
             return made.jitted.lower(*_abstract(call.leaves, made.lanes)).compile()
 
-        return fitted(planning, shape, self.memory_limit, decisions, p, make, compiled_of)
+        return fitted(planned, self.memory_limit, make, compiled_of)
 
     def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],
                    out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan],

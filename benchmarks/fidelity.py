@@ -132,17 +132,18 @@ def run(model_names: list[str], mesh_names: list[str], repeats: int = 3,
                     continue
                 t0 = time.perf_counter()
                 pinned = resolve(graph, shape, seeds)
-                decisions, stats = solve(graph, shape, hw, search, pinned)
+                solved = solve(graph, shape, hw, search, pinned)
+                decisions, stats = solved.decisions, solved.stats
                 plan = assemble(graph, decisions, shape, hw, label, stats, in_tree, out_tree,
                                 pinned)
                 plan_s = time.perf_counter() - t0
                 row = {"model": name, "mesh": mesh_name, "plan": label,
                        "ours": label in OURS, "estimated_ms": plan.cost["total_s"] * 1e3,
-                       "predicted_collective_bytes": {k: plan.cost.get(f"{k}_bytes", 0.0)
-                                                      for k in COLLECTIVES},
+                       "predicted_collective_bytes": {
+                           k: plan.cost.collective_bytes.get(k, 0.0) for k in COLLECTIVES},
                        "predicted_peak_memory_bytes": plan.cost["peak_memory_bytes"],
                        "fits_memory": plan.cost["peak_memory_bytes"] <= hw.memory_bytes,
-                       "exact": stats.get("exact"), "gap": stats.get("gap"),
+                       "exact": stats.exact, "gap": stats.gap,
                        "plan_s": plan_s, "trace_s": trace_s}
                 key = (tuple(decisions.inputs), tuple(
                     (o.in_specs, o.out_specs, o.partial_axes) for o in decisions.ops))

@@ -35,8 +35,8 @@ def main() -> None:
     t0 = time.perf_counter()
     plan = train_step.plan(state, batch)
     print(f"planned on mesh {axes} in {time.perf_counter() - t0:.2f}s "
-          f"({plan.search_stats['ops']} operators, {plan.search_stats['nodes']} decisions, "
-          f"search exact: {plan.search_stats['exact']})")
+          f"({plan.search_stats.ops} operators, {plan.search_stats.details['nodes']} "
+          f"decisions, search exact: {plan.search_stats.exact})")
     for i in range(5):
         state, loss = train_step(state, batch)
         print(f"step {i}: loss {float(loss):.4f}")

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 from autopar.planning import budget
 from autopar.planning.assemble import Candidate
+from autopar.plan_stats import SearchStats
 
 GB = 10**9
 LIMIT = int(3.13 * GB)
@@ -11,7 +12,8 @@ LIMIT = int(3.13 * GB)
 
 def candidate(ms: float, peak: float) -> Candidate:
     return Candidate((ms, peak), SimpleNamespace(total_s=ms / 1e3),
-                     SimpleNamespace(peak_bytes=int(peak * GB)), {"search_s": 0.1})
+                     SimpleNamespace(peak_bytes=int(peak * GB)),
+                     SearchStats(seconds={"search_s": 0.1}))
 
 
 def by_price(start: float):

@@ -2,7 +2,6 @@
 strategies, self-edges or warm start; equal to it where the LP relaxation is tight (trees);
 the plans its shortlists find; and in the planner, a bound and gap with every plan of both
 searches. No JAX in the first part."""
-import itertools
 
 import numpy as np
 import pytest

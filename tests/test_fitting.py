@@ -8,6 +8,8 @@ import jax
 import pytest
 
 from autopar import fitting
+from autopar.plan_stats import Cost, SearchStats
+from autopar.planning.driver import Planned
 
 MiB = 2**20
 LIMIT = 574 * MiB
@@ -21,10 +23,13 @@ class FakeDecisions:
 
 @dataclasses.dataclass
 class FakePlan:
-    cost: dict
-    search_stats: dict
+    cost: Cost
+    search_stats: SearchStats
     memory: dict = dataclasses.field(default_factory=dict)
     mesh: tuple = (("data", 8),)
+
+    def __post_init__(self) -> None:
+        self.cost, self.search_stats = Cost.of(self.cost), SearchStats.of(self.search_stats)
 
 
 # name -> (estimated MiB, predicted seconds): the plan with no limit, one the budget finds only
@@ -49,8 +54,8 @@ class Planner:
                       if limit is None or mib * MiB <= limit)
         mib, t = PLANS[name]
         stats = {} if limit is None else {"memory_price_s_per_byte": 1e-12}
-        return FakeDecisions(name), FakePlan({"peak_memory_bytes": mib * MiB, "total_s": t},
-                                             stats)
+        return Planned(self, FakeDecisions(name),
+                       FakePlan({"peak_memory_bytes": mib * MiB, "total_s": t}, stats), shape)
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +75,7 @@ def run(compiled_mib: dict, judged_ms: dict | None = None, prove: bool = True,
     as pinned) -> MiB; `prove`: whether the planner proves before fitting; `stats`: more of
     the first plan's search_stats."""
     planner = Planner(prove)
-    decisions, p = planner.plan(None, LIMIT)
-    p = dataclasses.replace(p, search_stats={**p.search_stats, **stats})
+    planned = planner.plan((8,), LIMIT).noting(**stats)
 
     def compiled(made):
         d = made.decisions
@@ -81,8 +85,7 @@ def run(compiled_mib: dict, judged_ms: dict | None = None, prove: bool = True,
 
     JUDGED_MS.clear()
     JUDGED_MS.update({m * MiB: ms for m, ms in (judged_ms or {}).items()})
-    made = fitting.fitted(planner, (8,), LIMIT, decisions, p,
-                          lambda d, q: Made(d, lambda: q), compiled)
+    made = fitting.fitted(planned, LIMIT, lambda d, q: Made(d, lambda: q), compiled)
     return made, planner
 
 

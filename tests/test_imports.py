@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "autopar"
 # API's modules above them (api, planner, stepper, applying, fitting, the plan's views, the
 # plan cache, checkpoints) are not ordered among themselves.
 PHASES = (("autopar.errors", "autopar.mesh", "autopar.progress"), ("autopar.trace",),
-          ("autopar.rules",), ("autopar.primitives",), ("autopar.decisions", "autopar.schedule"),
+          ("autopar.rules",), ("autopar.primitives",),
+          ("autopar.decisions", "autopar.schedule", "autopar.plan_stats"),
           ("autopar.cost",),
           ("autopar.placement",), ("autopar.distributed",), ("autopar.calling",),
           ("autopar.rewrite",), ("autopar.plan",), ("autopar.planning",),

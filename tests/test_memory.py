@@ -192,9 +192,10 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     from autopar.cost.xla.cpu import all_reduce_groups, copied_before_update
     step, state, batch = mlp()
     axes = {"data": 8}
-    graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
-                                       get_profile(None), "dynamic_programming",
-                                       donated=state_leaves(state))
+    planned = plan_step(step, (state, batch), mesh_shape(axes),
+                        get_profile(None), "dynamic_programming",
+                        donated=state_leaves(state))
+    graph, decisions, plan = planned.planning.graph, planned.decisions, planned.plan
     aliased = updated_in_place(graph, decisions.tensor_specs(graph))
     groups = all_reduce_groups(graph, all_reduce_steps(graph, decisions, mesh_shape(axes)))
     predicted = {graph.inputs.index(t) for t in copied_before_update(graph, aliased, groups)}
@@ -335,9 +336,10 @@ def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone():
     step, state, batch = mlp()
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
     shape, limit = mesh_shape({"data": 8}), state_bytes // 4
-    graph, decisions, plan = plan_step(step, (state, batch), shape, SLOW_LINKS,
-                                       "dynamic_programming", memory_limit=limit,
-                                       donated=state_leaves(state))
+    planned = plan_step(step, (state, batch), shape, SLOW_LINKS,
+                        "dynamic_programming", memory_limit=limit,
+                        donated=state_leaves(state))
+    graph, decisions, plan = planned.planning.graph, planned.decisions, planned.plan
     stats = plan.search_stats
     assert stats["exact"] and stats["gap"] == 0 and plan.cost["peak_memory_bytes"] <= limit
     assert stats["parts"] > 1, "the budget should need branching beyond the prices' hull"
@@ -346,7 +348,7 @@ def test_budgeted_dp_is_proven_and_no_slower_than_prices_alone():
     planning = Planning.traced(step, (state, batch), SLOW_LINKS, "dynamic_programming",
                                donated=state_leaves(state))
     planning.prove = False
-    priced = planning.plan(shape, limit)[1]
+    priced = planning.plan(shape, limit).plan
     assert not priced.search_stats["exact"]
     assert plan.cost["total_s"] <= priced.cost["total_s"] * (1 + 1e-12)
 
@@ -383,8 +385,8 @@ def test_recompute_when_sharding_is_not_enough():
     # the plan with memory priced far above time; the budget search's own bisection finds
     # sharding-only plans down to about 0.7 of its peak (vocabulary-split lookups and loss),
     # so 0.6 of it is below what sharding alone reaches
-    decisions, stats = solve(graph, shape, SLOW_LINKS, "dynamic_programming", None, 1.0)
-    leanest = assemble(graph, decisions, shape, SLOW_LINKS, "dp", stats)
+    solved = solve(graph, shape, SLOW_LINKS, "dynamic_programming", None, 1.0)
+    leanest = assemble(graph, solved.decisions, shape, SLOW_LINKS, "dp", solved.stats)
     limit = int(0.6 * leanest.cost["peak_memory_bytes"])
     plan = check_against_single_device(step, state, batch, mesh, steps=2, donate_argnums=0,
                                        hardware=SLOW_LINKS,
@@ -445,8 +447,8 @@ def test_problems_kept_across_prices_search_as_fresh_ones(search):
     shape = autopar.mesh.mesh_shape({"data": 2, "model": 4})
     units, kept = make_units(graph), {}
     for price in (0.0, 1e-9, 1e-7, 1e-9):
-        reused, _ = solve(graph, shape, SLOW_LINKS, search, None, price, units, kept)
-        fresh, _ = solve(graph, shape, SLOW_LINKS, search, None, price)
+        reused = solve(graph, shape, SLOW_LINKS, search, None, price, units, kept).decisions
+        fresh = solve(graph, shape, SLOW_LINKS, search, None, price).decisions
         assert reused.ops == fresh.ops and reused.inputs == fresh.inputs
     assert kept  # the problems were kept, not built again
 
@@ -472,9 +474,10 @@ def test_conservative_buffer_model_is_above_xla_cpu(setup):
     from autopar.cost.xla import CONSERVATIVE, CPU
     step, state, batch = mlp() if setup == "mlp" else gpt_4_layers()
     axes = {"data": 2, "model": 4}
-    graph, decisions, plan = plan_step(step, (state, batch), mesh_shape(axes),
-                                       get_profile(None), "dynamic_programming",
-                                       donated=state_leaves(state))
+    planned = plan_step(step, (state, batch), mesh_shape(axes),
+                        get_profile(None), "dynamic_programming",
+                        donated=state_leaves(state))
+    graph, decisions, plan = planned.planning.graph, planned.decisions, planned.plan
     sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=autopar.make_mesh(axes),
                                     plan=plan)
     compiled = compiled_bytes(sharded, state, batch)
@@ -577,7 +580,7 @@ def test_a_loops_stacked_residuals_and_weight_gradients_are_kept_bytes():
         (4, 32), (4, 32), (4, 32, 32), (4, 32, 32)]
     # priced far above time, the plan splits the residuals over all 8 devices
     shape = mesh_shape({"data": 2, "model": 4})
-    decisions, _ = solve(graph, shape, SLOW_LINKS, "dynamic_programming", None, 1.0)
+    decisions = solve(graph, shape, SLOW_LINKS, "dynamic_programming", None, 1.0).decisions
     spec = decisions.tensor_specs(graph)[residuals[0]]
     assert sorted(a for axes in spec for a in axes) == ["data", "model"], spec
 

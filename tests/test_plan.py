@@ -209,7 +209,7 @@ def format_1(plan):
                                       "axis_sizes": [s for _, s in plan.mesh]},
         "search": plan.search, "hardware": plan.hardware,
         "inputs": [tensor(t) for t in plan.inputs], "outputs": [tensor(t) for t in plan.outputs],
-        "ops": ops, "cost": plan.cost, "search_stats": plan.search_stats,
+        "ops": ops, "cost": dict(plan.cost), "search_stats": dict(plan.search_stats),
         "redistributions": moves, "memory": plan.memory, "recompute": list(plan.recompute)},
         indent=1)
 
@@ -241,6 +241,28 @@ def test_compact_json_is_small_and_reads_top_down():
     assert {d["primitive"] for d in decisions if "op" in d} >= {"dot_general", "gather"}
 
 
+def test_cost_and_search_stats_are_records_that_read_as_the_jsons_mappings():
+    """Code reads the fields; users and the JSON read the same flat mappings as before."""
+    flat = {"compute_s": 1e-3, "communication_s": 2e-3, "total_s": 3e-3, "recompute_s": 0.0,
+            "peak_memory_bytes": 1024, "all_reduce_bytes": 64.0}
+    cost = autopar.Cost.of(flat)
+    assert cost.total_s == 3e-3 and cost.collective_bytes == {"all_reduce": 64.0}
+    assert cost == flat and list(cost) == list(flat) and json.loads(json.dumps(dict(cost))) == flat
+    assert cost.predicted and not autopar.Cost.of({"total_s": 1.0}).predicted
+    stats = autopar.SearchStats.of({"exact": False, "objective_s": 2.0, "lower_bound": 1.5,
+                                    "gap": 0.25, "memory_price_s_per_byte": 0.0,
+                                    "search_s": 0.4, "nodes": 12})
+    assert stats.bounded and stats.budgeted and stats.gap == 0.25
+    assert stats.seconds == {"search_s": 0.4} and stats.details == {"nodes": 12}
+    assert stats["nodes"] == 12 and "kept_bytes" not in stats and stats.get("bound") is None
+    assert "search_s" in stats and "search_s" not in stats.stable()
+    noted = stats.noting(compile_checks=2, shortlist=3)
+    assert noted.compile_checks == 2 and noted.details == {"nodes": 12, "shortlist": 3}
+    assert not autopar.SearchStats().budgeted and not autopar.SearchStats().bounded
+    with pytest.raises(TypeError):
+        hash(cost)
+
+
 def test_compact_plan_round_trips_and_applies_its_repeated_layers():
     step, state, batch = models.gpt_setup()
     mesh = autopar.make_mesh(MESH)
@@ -254,6 +276,11 @@ def test_compact_plan_round_trips_and_applies_its_repeated_layers():
     # wall-clock seconds stay out: the same problem gives the same bytes in every process
     assert again.search_stats == plan.stable_stats() != plan.search_stats
     assert "search_s" in plan.search_stats and "search_s" not in again.search_stats
+    # read back as the same typed records
+    assert isinstance(again.cost, autopar.Cost) and isinstance(again.search_stats,
+                                                               autopar.SearchStats)
+    assert again.cost.total_s == plan.cost.total_s == plan.cost["total_s"]
+    assert again.search_stats.exact is plan.search_stats.exact is plan.search_stats["exact"]
     assert any(isinstance(d, Repeat) for d in again.decisions)
     assert again == plan and again.to_json() == text
     with pytest.raises(autopar.AutoparError, match="holds no per-operator detail"):

@@ -137,7 +137,7 @@ def test_rounds_within_the_full_problem_equal_the_recursion(axes):
     full = build_problem(graph, shape, hw, units=units)
     within = rounds_within(full, shape)
     assert within.cost == full.graph.total_cost(within.choice)
-    _, rounds, _ = solve_recursive(graph, shape, hw, None, units)
+    rounds = solve_recursive(graph, shape, hw, None, units).solution
     assert within.cost == pytest.approx(rounds.cost, rel=1e-9)
 
 

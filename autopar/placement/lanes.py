@@ -215,13 +215,24 @@ def _stack_path(paths: list[str]) -> str:
     return f"{paths[0]} (+{len(paths) - 1} layers)"
 
 
-def traced_lanes(fn: Callable, args: Sequence[Any], donated: frozenset[int], platform: str
-                 ) -> tuple[Any, Lanes, Any, Any, Any] | None:
-    """The step traced over its Python loop's layers stacked (an OpGraph whose inputs and
-    outputs are the stacked leaves, with their paths and state pairs), the Lanes, the user's
+@dataclasses.dataclass(frozen=True)
+class StackedTrace:
+    """A step traced over its Python loop's layers stacked: the OpGraph (its inputs and
+    outputs the stacked leaves, with their paths and state pairs), the Lanes, the user's
     output tree, and the stacked step's argument and output trees (an argument or output
-    element holding a family: a list of its stacked leaves); None where no family can be
-    stored."""
+    element holding a family: a list of its stacked leaves)."""
+
+    graph: Any
+    lanes: Lanes
+    out_tree: Any
+    in_tree: Any
+    plan_out_tree: Any
+
+
+def traced_lanes(fn: Callable, args: Sequence[Any], donated: frozenset[int], platform: str
+                 ) -> StackedTrace | None:
+    """The step traced over its Python loop's layers stacked (a StackedTrace); None where no
+    family can be stored."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     names = argument_names(fn, len(args))
     keypaths = [tuple(kp) for a in args for kp, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
@@ -249,9 +260,10 @@ def traced_lanes(fn: Callable, args: Sequence[Any], donated: frozenset[int], pla
     tensors = tuple(dataclasses.replace(t, path=paths[t.id]) if t.id in paths else t
                     for t in graph.tensors)
     parts = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
-    return (dataclasses.replace(graph, tensors=tensors, state_pairs=lanes.stacked_pairs(pairs)),
-            lanes, jax.tree_util.tree_structure(out_shape), _regrouped(args, lanes.inputs),
-            _regrouped(parts, lanes.outputs))
+    return StackedTrace(
+        dataclasses.replace(graph, tensors=tensors, state_pairs=lanes.stacked_pairs(pairs)),
+        lanes, jax.tree_util.tree_structure(out_shape), _regrouped(args, lanes.inputs),
+        _regrouped(parts, lanes.outputs))
 
 
 def _regrouped(parts: Sequence[Any], origins: tuple[tuple[int, ...], ...]) -> Any:

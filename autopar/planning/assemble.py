@@ -14,6 +14,7 @@ from autopar.cost.xla import BufferModel, buffer_model, reassociates_sums
 from autopar.decisions import Decisions
 from autopar.mesh import MeshShape
 from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
+from autopar.plan_stats import Cost, SearchStats
 from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.kinds import ROTATE
@@ -47,7 +48,7 @@ class Candidate:
     decisions: Decisions
     tally: Tally
     memory: MemoryEstimate
-    stats: dict[str, Any]
+    stats: SearchStats
 
     @property
     def peak_bytes(self) -> int:
@@ -174,10 +175,8 @@ def written_up(graph: OpGraph, chosen: Candidate, mesh: MeshShape, hw: Hardware,
                                 int(shard_bytes(tensors[t], s, mesh)))
                      for t, s in zip(ids, spec_list))
 
-    totals = {"compute_s": cost.compute_s, "communication_s": cost.communication_s,
-              "total_s": cost.total_s, "recompute_s": cost.recompute_s,
-              "peak_memory_bytes": chosen.peak_bytes,
-              **{f"{kind}_bytes": nbytes for kind, nbytes in sorted(cost.collective_bytes.items())}}
+    totals = Cost(cost.compute_s, cost.communication_s, cost.total_s, cost.recompute_s,
+                  chosen.peak_bytes, dict(sorted(cost.collective_bytes.items())))
     return Plan(tuple(zip(mesh.names, mesh.sizes)), search, hw.name,
                 tensor_plans(graph.inputs, decisions.inputs),
                 tensor_plans(graph.outputs, cost.out_specs), cost.ops, totals, chosen.stats,
@@ -186,7 +185,7 @@ def written_up(graph: OpGraph, chosen: Candidate, mesh: MeshShape, hw: Hardware,
 
 
 def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware, search: str,
-             stats: dict, in_tree: Any = None, out_tree: Any = None,
+             stats: SearchStats, in_tree: Any = None, out_tree: Any = None,
              pinned: dict[int, Spec] | None = None, memory_limit: int | None = None,
              buffers: BufferModel | None = None) -> Plan:
     """The Plan of `decisions` (tally, memory estimate, write-up in one). `buffers` is the

@@ -15,7 +15,8 @@ of any size, indivisible dimensions are never offered to an axis that does not d
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -146,11 +147,24 @@ def _solved_within(problem: Problem, keep: list[np.ndarray],
     return search.Solution(choice, problem.graph.total_cost(choice), stats)
 
 
+@dataclass(frozen=True)
+class Recursion:
+    """What planning axis by axis found: the last round's problem and its solution, the
+    space that gave it, whether it is the optimum (one round, solved exactly: a mesh of one
+    axis), and the rounds' figures for the plan's statistics."""
+
+    problem: Problem
+    solution: search.Solution
+    space: str
+    exact: bool
+    details: dict[str, Any]
+
+
 def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                     pinned: dict[int, Spec] | None, units: list[Unit] | None = None,
                     memory_weight: float = 0.0, problems: dict | None = None,
-                    narrow: bool = False) -> tuple[Problem, search.Solution, dict]:
-    """Plan `graph` axis by axis; returns the last round's problem and solution, and stats.
+                    narrow: bool = False) -> Recursion:
+    """Plan `graph` axis by axis: the last round's problem and solution (a Recursion).
 
     `problems` keeps each round's unpriced problem, by the rounds before it and their answers,
     for the next search of this graph, mesh and pins (at another memory price). `narrow`: in
@@ -188,17 +202,15 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                               for _, axes in s.assignment)
         done.append(axis)
         key += (solution.choice.tobytes(),)  # the next round extends this answer
-    stats = {"rounds": len(order), "exact_rounds": exact_rounds, "exact": False,
-             "space": "one axis at a time"}
+    details, space = {"rounds": len(order), "exact_rounds": exact_rounds}, "one axis at a time"
     merged = None if first_split else _merged_rounds(graph, mesh, hw, pinned, units,
                                                      memory_weight, problems, order, narrow)
     if merged is not None:
-        stats["one_axis_at_a_time_s"] = solution.cost
-        stats["all_axes_as_one_s"] = merged[1].cost
+        details.update(one_axis_at_a_time_s=solution.cost, all_axes_as_one_s=merged[1].cost)
         if merged[1].cost < solution.cost:
             problem, solution = merged
-            stats["space"] = "all axes as one, then the last axis"
-    return problem, solution, stats
+            space = "all axes as one, then the last axis"
+    return Recursion(problem, solution, space, exact_rounds == len(order) == 1, details)
 
 
 def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,

@@ -165,11 +165,11 @@ def _with_stats(chosen: Candidate, price: float | None, tried: list, limit: int)
     """The candidate's stats with the price found (None: proven under a kept-bytes cap), and
     the searches it took: their number and their seconds together (`search_s` is the last
     search's alone)."""
-    stats = dict(chosen.stats, memory_price_s_per_byte=price or 0.0,
-                 memory_solves=len(tried), memory_limit_bytes=limit,
-                 memory_search_s=sum(c.stats["search_s"] for _, c in tried))
+    stats = chosen.stats.noting(memory_price_s_per_byte=price or 0.0, memory_solves=len(tried),
+                                memory_limit_bytes=limit,
+                                memory_search_s=sum(c.stats.seconds["search_s"] for _, c in tried))
     if price is not None and price > 0:  # the fastest fitting found; no proof none faster fits
-        stats["exact"] = False
+        stats = dataclasses.replace(stats, exact=False)
     return dataclasses.replace(chosen, stats=stats)
 
 

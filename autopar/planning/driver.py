@@ -87,7 +87,8 @@ class Planning:
         found = (traced_lanes(fn, args, donated, platform)
                  if keep_placement and schedule.stages > 1 else None)
         if found is not None:  # a Python loop's layers stored stacked (placement/lanes.py)
-            graph, lanes, out_tree, in_tree, plan_out_tree = found
+            graph, lanes, out_tree = found.graph, found.lanes, found.out_tree
+            in_tree, plan_out_tree = found.in_tree, found.plan_out_tree
         else:
             graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
             lanes, out_tree = None, jax.tree_util.tree_structure(out_shape)
@@ -99,18 +100,17 @@ class Planning:
                 if lanes is None:
                     return trace(stepped, args, donated, compiler=platform)[0]
                 found = traced_lanes(stepped, args, donated, platform)
-                if found is None or found[1] != lanes:
+                if found is None or found.lanes != lanes:
                     raise AutoparError("keep_placement: the step stacks other layers when its "
                                        "stack is read in the circular placement.")
-                return found[0]
+                return found.graph
             graph, stored = traced_stored(again, graph, schedule.stages, schedule.rounds,
                                           lanes)
         return cls(graph, in_tree, out_tree, hw, search, annotations, buffer_model(platform),
                    time.perf_counter() - t0, schedule=schedule, stored=stored, lanes=lanes,
                    plan_out_tree=plan_out_tree)
 
-    def plan(self, mesh: MeshShape | int, memory_limit: int | None = None
-             ) -> tuple[Decisions, Plan]:
+    def plan(self, mesh: MeshShape | int, memory_limit: int | None = None) -> Planned:
         """Pin, search and assemble on `mesh`. A device count tries every mesh shape of that
         many devices (`candidate_meshes`) on which the annotations apply, and keeps the plan of
         least estimated cost. With `memory_limit` (bytes per device), only plans that fit it
@@ -150,7 +150,7 @@ class Planning:
                                    lanes=self.lanes)
         if self.schedule.stages > 1:
             plan = dataclasses.replace(plan, pipeline=pipeline_detail(self.graph, plan))
-        return chosen.decisions, plan
+        return Planned(self, chosen.decisions, plan, mesh)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:
@@ -160,14 +160,31 @@ class Planning:
             return self.attempts[key]
         problems = self.problems.setdefault(shape, {})
         progress.update("stage", f"searching ({self.search})")
-        decisions, stats = solve(self.graph, shape, self.hw, self.search, pinned, price,
-                                 self.units, problems, kept_budget)
-        decisions = dataclasses.replace(decisions, recompute=recompute)
-        stats["trace_s"] = self.trace_s
+        solved = solve(self.graph, shape, self.hw, self.search, pinned, price, self.units,
+                       problems, kept_budget)
+        decisions = dataclasses.replace(solved.decisions, recompute=recompute)
         found = self.attempts[key] = Candidate(
             decisions, tally(self.graph, decisions, shape, self.hw, pinned),
-            plan_memory(self.graph, decisions, shape, self.buffers), stats)
+            plan_memory(self.graph, decisions, shape, self.buffers),
+            solved.stats.noting(trace_s=self.trace_s))
         return found
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A step planned: its Planning (to plan it again, another limit, without tracing), the
+    decisions the search made, the Plan written from them, and the mesh to plan it on again:
+    the one asked (a device count stays a count), or the one a pipeline's schedule chose."""
+
+    planning: Planning
+    decisions: Decisions
+    plan: Plan
+    mesh: MeshShape | int
+
+    def noting(self, **stats: Any) -> Planned:
+        """The same, its plan's search statistics with `stats` (SearchStats' fields)."""
+        return dataclasses.replace(self, plan=dataclasses.replace(
+            self.plan, search_stats=dataclasses.replace(self.plan.search_stats, **stats)))
 
 
 Tracer = Callable[[Schedule], Planning]  # a call's step traced under a schedule
@@ -212,11 +229,10 @@ def traced_stored(again: Callable[[Sequence[int]], OpGraph], graph: OpGraph, sta
 
 def plan_step(fn: Callable, args: Sequence[Any], mesh: MeshShape | int, hw: Hardware,
               search: str, annotations: Annotations = None, memory_limit: int | None = None,
-              donated: frozenset[int] = frozenset(), platform: str | None = None
-              ) -> tuple[OpGraph, Decisions, Plan]:
+              donated: frozenset[int] = frozenset(), platform: str | None = None) -> Planned:
     """Trace, search and assemble once (see Planning)."""
     planning = Planning.traced(fn, args, hw, search, annotations, donated, platform)
-    return (planning.graph, *planning.plan(mesh, memory_limit))
+    return planning.plan(mesh, memory_limit)
 
 
 AUTO_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "inner")}
@@ -255,8 +271,8 @@ def data_parallel_plan(fn: Callable, args: Sequence[Any], mesh: MeshShape, hw: H
     """The baseline a person writes first: batch split over all devices, the rest replicated,
     with the operators' strategies searched under those pins."""
     graph, in_tree, out_shape = trace(fn, args, compiler=hw.platform)
-    decisions, stats = solve(graph, mesh, hw, "dynamic_programming",
-                             data_parallel_pins(graph, mesh, batch_prefix))
-    stats = exactness(stats)
-    return assemble(graph, decisions, mesh, hw, "data_parallel", stats, in_tree,
+    solved = solve(graph, mesh, hw, "dynamic_programming",
+                   data_parallel_pins(graph, mesh, batch_prefix))
+    return assemble(graph, solved.decisions, mesh, hw, "data_parallel",
+                    exactness(solved.stats), in_tree,
                     jax.tree_util.tree_structure(out_shape))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import jax
@@ -39,7 +40,7 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.driver import Planning, Tracer
+from autopar.planning.driver import Planned, Tracer
 from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.schedule import Schedule
@@ -60,48 +61,51 @@ def check_microbatches(microbatches: int | str) -> None:
 
 def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                    traced: Tracer, shape: MeshShape | int,
-                   limit: int | None, stages: int = 1, repeats: int = 1
-                   ) -> tuple[Planning, Decisions, Plan]:
-    """(Planning, Decisions, Plan): the step traced by `traced(schedule)` and planned
-    on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
+                   limit: int | None, stages: int = 1, repeats: int = 1) -> Planned:
+    """The step traced by `traced(schedule)` and planned on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
-    loop where that is no slower and fits (else search_stats["reduced_per_microbatch"] says
+    loop where that is no slower and fits (else search_stats.reduced_per_microbatch says
     why not). With `stages`, the loss's layer stack pipelined (gpipe.py; `repeats` times
     round), in shares on the
     other axes where that is no slower."""
-    def plan_with(m: int) -> tuple[Planning, tuple[Decisions, Plan]]:
-        planning = traced(Schedule(m, stages=stages, rounds=repeats))
-        return planning, planning.plan(shape, limit)
+    def plan_with(m: int) -> Planned:
+        return traced(Schedule(m, stages=stages, rounds=repeats)).plan(shape, limit)
 
     shares = _stage_shares_first(call, microbatches, batch_argnums, traced, shape, limit,
                                  stages, repeats)
-    if isinstance(shares, tuple) and shares[3]:
-        return shares[:3]
+    if shares is not None and shares.alone:
+        return shares.planned
     try:
-        (planning, (decisions, p)), tried = fewest_fitting(plan_with, microbatches, call,
-                                                           batch_argnums)
+        planned, tried = fewest_fitting(plan_with, microbatches, call, batch_argnums)
     except AutoparError:
-        if isinstance(shares, tuple):  # the shares, kept together, are all that could be
-            return shares[:3]         # planned
+        if shares is not None and shares.planned is not None:  # the shares, kept together,
+            return shares.planned                               # are all that could be planned
         raise
-    if p.microbatches > 1:
-        planning, decisions, p = _reduced_once(call, batch_argnums, traced, limit,
-                                               (planning, decisions, p), stages, repeats,
-                                               shares)
-    if len(tried) > 1:
-        p = dataclasses.replace(p, search_stats={**p.search_stats, "microbatches_tried": tried})
-    return planning, decisions, p
+    if planned.plan.microbatches > 1:
+        planned = _reduced_once(call, batch_argnums, traced, limit, planned, stages, repeats,
+                                shares)
+    return planned.noting(microbatches_tried=tuple(tried)) if len(tried) > 1 else planned
+
+
+@dataclass(frozen=True)
+class Shares:
+    """A pipeline's shares planned first: their plan and whether to keep it without planning
+    the microbatches reducing in each (`alone`), or why they could not be planned (`why_not`,
+    for the plan's statistics)."""
+
+    planned: Planned | None = None
+    alone: bool = False
+    why_not: str | None = None
 
 
 def _stage_shares_first(call: Call, microbatches: int | str,
                         batch_argnums: int | Sequence[int], traced: Tracer,
                         shape: MeshShape | int, limit: int | None, stages: int, repeats: int
-                        ) -> tuple[Planning, Decisions, Plan, bool] | str | None:
+                        ) -> Shares | None:
     """A pipeline on a mesh with one axis of G > 1 devices besides 'stage': the step with G
     shares per microbatch planned on it, and whether to keep it without planning the
-    microbatches reducing in each (see the module's docstring); else why the shares could
-    not be planned (a reason for the plan's search_stats), or None where they are not
-    planned first."""
+    microbatches reducing in each (see the module's docstring), or why it could not be
+    planned; None where the shares are not planned first."""
     if stages == 1 or not isinstance(shape, MeshShape) or not isinstance(microbatches, int):
         return None
     others = [(n, k) for n, k in shape.as_dict().items() if n != STAGE_AXIS and k > 1]
@@ -112,13 +116,12 @@ def _stage_shares_first(call: Call, microbatches: int | str,
     if batch_size(call.abstract(), positions, 1) % (microbatches * groups):
         return None  # _reduced_once says why
     try:
-        planning = traced(Schedule(microbatches, groups, stages, repeats))
-        decisions, p = planning.plan(shape, limit)
+        planned = traced(Schedule(microbatches, groups, stages, repeats)).plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code, or no fit
-        return f"in {groups} shares: {e}"
-    alone = (_splits_loop_products(planning.graph, decisions, axis)
-             and _loop_communicates_less(planning.graph, p))
-    return planning, decisions, p, alone
+        return Shares(why_not=f"in {groups} shares: {e}")
+    graph = planned.planning.graph
+    return Shares(planned, _splits_loop_products(graph, planned.decisions, axis)
+                  and _loop_communicates_less(graph, planned.plan))
 
 
 def _loop_communicates_less(graph: OpGraph, p: Plan) -> bool:
@@ -141,22 +144,20 @@ def _splits_loop_products(graph: OpGraph, decisions: Decisions, axis: str) -> bo
 
 def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
                   traced: Tracer, limit: int | None,
-                  first: tuple[Planning, Decisions, Plan], stages: int = 1,
-                  repeats: int = 1, shares: tuple | str | None = None
-                  ) -> tuple[Planning, Decisions, Plan]:
+                  first: Planned, stages: int = 1, repeats: int = 1,
+                  shares: Shares | None = None) -> Planned:
     """`first` (a plan accumulating per microbatch, or pipelining over `stages`), or the same
     step with its gradient kept per share of G device groups and reduced once after the loop,
     planned on `first`'s mesh, where that is estimated no slower and fits (`_share_count`
     gives G; the 'stage' axis is not one of them: the stages hold different layers).
     `shares`: what `_stage_shares_first` found, used instead of planning the shares again."""
-    planning, decisions, p = first
+    p = first.plan
 
-    def per_microbatch(why: str) -> tuple[Planning, Decisions, Plan]:
-        return planning, decisions, dataclasses.replace(
-            p, search_stats={**p.search_stats, "reduced_per_microbatch": why})
+    def per_microbatch(why: str) -> Planned:
+        return first.noting(reduced_per_microbatch=why)
 
-    if isinstance(shares, str):
-        return per_microbatch(shares)
+    if shares is not None and shares.why_not is not None:
+        return per_microbatch(shares.why_not)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     shape = mesh_shape(dict(p.mesh))
     groups = _share_count(traced, p, positions, shape, stages > 1)
@@ -167,17 +168,14 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
                               f"divide the batch of {size}")
     try:
-        if shares is not None:
-            grouped_planning, grouped_decisions, grouped, _ = shares
-        else:
-            grouped_planning = traced(Schedule(p.microbatches, groups, stages, repeats))
-            grouped_decisions, grouped = grouped_planning.plan(shape, limit)
+        grouped = shares.planned if shares is not None else traced(
+            Schedule(p.microbatches, groups, stages, repeats)).plan(shape, limit)
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
         return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
-    if grouped.cost["total_s"] > p.cost["total_s"]:         # or no fit
+    if grouped.plan.cost.total_s > p.cost.total_s:         # or no fit
         return per_microbatch(f"in {groups} shares it is estimated slower "
-                              f"({grouped.cost['total_s'] * 1e3:.3f} ms)")
-    return grouped_planning, grouped_decisions, grouped
+                              f"({grouped.plan.cost.total_s * 1e3:.3f} ms)")
+    return dataclasses.replace(grouped, mesh=first.mesh)  # planned again as first would be
 
 
 def _share_count(traced: Tracer, p: Plan, positions: Sequence[int], shape: MeshShape,
@@ -195,7 +193,7 @@ def _share_count(traced: Tracer, p: Plan, positions: Sequence[int], shape: MeshS
     if staged and len(others) == 1:
         return dict(p.mesh)[others[0]]
     try:
-        _, whole = traced(Schedule()).plan(shape, None)
+        whole = traced(Schedule()).plan(shape, None).plan
     except AutoparError:
         return 1
     return batch_groups(whole, positions, staged)

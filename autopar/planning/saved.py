@@ -42,7 +42,7 @@ def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisi
                             "shape; plan again for these arguments")
             continue
         inputs.append(entry.spec)
-    count = len(saved.ops) if saved.ops else saved.search_stats.get("ops")
+    count = len(saved.ops) if saved.ops else saved.search_stats.ops
     if count is not None and count != len(graph.ops):
         problems.append(f"the plan has {count} operators, this step traces to "
                         f"{len(graph.ops)}; plan again after changing the step")
@@ -58,7 +58,7 @@ def decisions_from_plan(graph: OpGraph, saved: Plan, shape: MeshShape) -> Decisi
     collect_errors(problems, f"the saved plan does not fit this step on mesh {shape}:")
     recompute = frozenset(i for name in saved.recompute for i in layers[name])
     return Decisions(inputs, ops, recompute,
-                     pinned_inside=saved.search_stats.get("pinned_inside", True))
+                     pinned_inside=saved.search_stats.pinned_inside is not False)
 
 
 def _check_mesh(saved: Plan, shape: MeshShape) -> None:

@@ -19,44 +19,39 @@ The stack's layers are split evenly, L/S consecutive layers per stage: the stack
 layer, so every stage does the same work and an even split is the balanced one.
 
 Each candidate traces the step again and searches it, so "auto" plans several times the work
-of one schedule; `search_stats["schedules_tried"]` lists every candidate with its estimate, or
+of one schedule; `search_stats.schedules_tried` lists every candidate with its estimate, or
 why it was left out.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 from autopar import progress
 from autopar.calling import Call
-from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
-from autopar.mesh import MeshShape, mesh_shape
+from autopar.mesh import MeshShape
 from autopar.plan import Plan
-from autopar.planning.driver import Planning, Tracer
+from autopar.planning.driver import Planned, Tracer
 from autopar.planning.microbatches import planned_within
 from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
 
-Planned = tuple[Planning, Decisions, Plan]
 MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first
 ROUNDS = (2, 4, 8)  # the circular schedule's rounds weighed, fewest first
 
 
 def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                      traced: Tracer, shape: MeshShape | int,
-                     limit: int | None, pipeline: int | str, repeats: int = 1
-                     ) -> tuple[Planning, Decisions, Plan, MeshShape | int]:
-    """(Planning, Decisions, Plan, the mesh to plan it on again): `planned_within`'s plan for
-    a stage count given, or for pipeline="auto" the fastest estimated schedule that fits (see
-    the module's docstring)."""
+                     limit: int | None, pipeline: int | str, repeats: int = 1) -> Planned:
+    """`planned_within`'s plan for a stage count given, or for pipeline="auto" the fastest
+    estimated schedule that fits (see the module's docstring)."""
     if pipeline != "auto":
-        return (*planned_within(call, microbatches, batch_argnums, traced, shape, limit,
-                                pipeline, repeats), shape)
+        return planned_within(call, microbatches, batch_argnums, traced, shape, limit,
+                              pipeline, repeats)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     size = batch_size(call.abstract(), positions, 1)
     tried: list[dict] = []
-    best: tuple[Planned, MeshShape | int] | None = None
+    best: Planned | None = None
     errors: list[AutoparError] = []
 
     def attempt(stages: int, mesh: MeshShape | int, m: int | str, rounds: int = 1
@@ -74,13 +69,13 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
             errors.append(e)
             tried.append({**entry, "left_out": _first_line(e)})
             return e
-        p = planned[2]
+        p = planned.plan
         tried.append({**entry, "microbatches": p.microbatches, "mesh": str(dict(p.mesh)),
                       "shares": p.microbatch_groups,
-                      "total_ms": round(float(p.cost["total_s"]) * 1e3, 6),
-                      "peak_memory_bytes": int(p.cost["peak_memory_bytes"])})
-        if best is None or p.cost["total_s"] < best[0][2].cost["total_s"]:
-            best = (planned, mesh)
+                      "total_ms": round(float(p.cost.total_s) * 1e3, 6),
+                      "peak_memory_bytes": int(p.cost.peak_memory_bytes)})
+        if best is None or p.cost.total_s < best.plan.cost.total_s:
+            best = planned
         return p
 
     attempt(1, shape, "auto" if microbatches == 1 else microbatches)
@@ -95,14 +90,14 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
             if isinstance(p, MemoryLimitError):
                 continue  # more microbatches keep fewer activations: they may fit
             if isinstance(p, AutoparError) or (
-                    previous is not None and p.cost["total_s"] >= previous.cost["total_s"]):
+                    previous is not None and p.cost.total_s >= previous.cost.total_s):
                 break  # refused (no stack, S does not divide it), or past the best M
             previous = p
         if previous is None or repeats > 1:
             continue
         for rounds in ROUNDS:  # the circular schedule at the best M
             p = attempt(stages, mesh, previous.microbatches, rounds)
-            if isinstance(p, AutoparError) or p.cost["total_s"] >= previous.cost["total_s"]:
+            if isinstance(p, AutoparError) or p.cost.total_s >= previous.cost.total_s:
                 break  # R S does not divide the stack, or more rounds cost more
             previous = p
     if best is None:
@@ -112,9 +107,7 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
             + "; ".join(f"{t['stages']} stage(s)"
                         + (f", microbatches={t['microbatches']}" if "microbatches" in t else "")
                         + f": {t['left_out']}" for t in tried)) from (unfit or errors)[0]
-    (planning, decisions, p), mesh = best
-    p = dataclasses.replace(p, search_stats={**p.search_stats, "schedules_tried": tried})
-    return planning, decisions, p, mesh_shape(dict(p.mesh)) if p.pipeline_stages > 1 else mesh
+    return best.noting(schedules_tried=tuple(tried))
 
 
 def _staged_meshes(shape: MeshShape | int) -> list[tuple[int, MeshShape]]:

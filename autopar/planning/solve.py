@@ -1,8 +1,10 @@
 """Planning: trace, build the problem, search, and assemble the Plan with its costs."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ from autopar.cost.hardware import Hardware
 from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
+from autopar.plan_stats import SearchStats
 from autopar.planning.axes import (adjacent_pairs, axis_order, merged_within, paired_within,
                                    rounds_within, solve_recursive)
 from autopar.planning.pricing import Unit
@@ -60,10 +63,18 @@ SHORTLIST_GAP = 1e-3
 RECURSIVE_BOUND_AXES = 2
 
 
+@dataclass(frozen=True)
+class Solved:
+    """A search's answer: the strategies it chose and what it found out about them."""
+
+    decisions: Decisions
+    stats: SearchStats
+
+
 def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
           pinned: dict[int, Spec] | None = None, memory_weight: float = 0.0,
           units: list[Unit] | None = None, problems: dict | None = None,
-          kept_budget: float | None = None) -> tuple[Decisions, dict]:
+          kept_budget: float | None = None) -> Solved:
     """Search the strategies of `graph` on `mesh` with the search `algorithm`, the tensors in
     `pinned` fixed (tensor id -> spec: annotated inputs and `autopar.shard` results), each byte
     kept per device charged `memory_weight` seconds (see Problem.priced).
@@ -100,13 +111,12 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
         # One exact round (a mesh of one axis) is the whole space's optimum: the narrow
         # space, a part of it, cannot beat it.
         answers = [solve_recursive(graph, mesh, hw, pinned, units, memory_weight, problems)]
-        if not answers[0][2]["rounds"] == answers[0][2]["exact_rounds"] == 1:
+        if not answers[0].exact:
             answers.append(solve_recursive(graph, mesh, hw, pinned, units, memory_weight,
                                            problems, narrow=True))
-        problem, solution, extra = min(answers, key=lambda answer: answer[1].cost)
-        space = extra.pop("space")
-        if extra["rounds"] == extra["exact_rounds"] == 1:  # one exact round: the optimum
-            extra.update(exact=True, lower_bound=float(solution.cost), gap=0.0)
+        best = min(answers, key=lambda answer: answer.solution.cost)
+        problem, solution, space = best.problem, best.solution, best.space
+        extra = {**best.details, "exact": best.exact}  # one exact round: the optimum
     elif algorithm == "sharding_propagation":
         if not pinned:
             raise AutoparError(
@@ -129,47 +139,48 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
             problem, solution, space = _best_within_bound(problem, narrow, mesh, problems,
                                                           shortlist=not memory_weight)
     t1 = time.perf_counter()
-    stats = {"exact": True, **{k: _plain(v) for k, v in solution.stats.items()}}
-    stats.update(extra, space=space, search_s=t1 - t0,  # search_s includes building problems
-                 objective_s=float(solution.cost), ops=len(graph.ops),
-                 tied_units=tied_units(problem, graph))
-    if stats["exact"] and "lower_bound" not in stats:  # exact elimination: the optimum
-        stats.update(lower_bound=float(solution.cost), gap=0.0)
-    return _decisions(problem, solution, graph), stats
+    stats = SearchStats.of({"exact": True, **{k: _plain(v) for k, v in solution.stats.items()},
+                            **extra, "search_s": t1 - t0})  # search_s: building problems too
+    stats = dataclasses.replace(stats, space=space, objective_s=float(solution.cost),
+                                ops=len(graph.ops), tied_units=tied_units(problem, graph))
+    if stats.exact and stats.lower_bound is None:  # exact elimination: the optimum
+        stats = dataclasses.replace(stats, lower_bound=float(solution.cost), gap=0.0)
+    return Solved(_decisions(problem, solution, graph), stats)
 
 
 def with_dual_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
                     pinned: dict[int, Spec] | None, units: list[Unit], problems: dict,
-                    stats: dict[str, Any]) -> dict[str, Any]:
+                    stats: SearchStats) -> SearchStats:
     """`stats` of the plan a planning chose (at its memory price), with the dual bound of the
     problem its search solved where that is higher than the search's own bound: computed
     once a plan, not once a memory round. None for a proven answer (exact elimination, a
     kept-bytes proof), nor for recursive_programming on meshes of more than
     RECURSIVE_BOUND_AXES axes (said in `bound`). `exact` is claimed at a nil gap without a
     memory price only."""
-    if stats.get("exact") or "kept_budget_bytes" in stats:
+    if stats.exact or stats.kept_budget_bytes is not None:
         return stats
     if algorithm == "recursive_programming" and len(axis_order(mesh)) > RECURSIVE_BOUND_AXES:
-        return {**stats, "bound": (f"none: the whole space of {len(axis_order(mesh))} mesh "
-                                   "axes is slow to build; dynamic_programming bounds it")}
+        return dataclasses.replace(stats, bound=(
+            f"none: the whole space of {len(axis_order(mesh))} mesh axes is slow to build; "
+            "dynamic_programming bounds it"))
     unpriced = problems.get("untied") if algorithm == "dynamic_programming" else None
     if unpriced is None:
         unpriced = kept_problem(problems, "full", lambda: build_problem(
             graph, mesh, hw, pinned, units=units, memo=problems))
-    price = float(stats.get("memory_price_s_per_byte") or 0.0)
+    price = stats.memory_price_s_per_byte or 0.0
     problem = unpriced.priced(graph, mesh, price)
-    cost = float(stats["objective_s"])
+    cost = stats.objective_s
     kept = problems.get("dual")  # where the last bound of these edges stopped
     edges = problem.graph.edges  # shared by the problem at every price (with_node_costs)
     start = kept[1] if kept is not None and kept[0] is edges else None
     bound, dual, reached = search.dual_bound(problem.graph, target=cost, work=DUAL_WORK,
                                              max_sweeps=DUAL_SWEEPS, start=start)
     problems["dual"] = (edges, reached)
-    if bound <= stats.get("lower_bound", -math.inf):
-        return {**stats, **dual}
+    if stats.lower_bound is not None and bound <= stats.lower_bound:
+        return stats.noting(**dual)
     gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
-    return {**stats, **dual, "lower_bound": bound, "gap": gap, "bound": "dual",
-            "exact": gap <= search.REACHED and not price}
+    return stats.noting(**dual, lower_bound=bound, gap=gap, bound="dual",
+                        exact=gap <= search.REACHED and not price)
 
 
 def _kept_pairs(problem: Problem, problems: dict | None) -> dict:
@@ -254,15 +265,14 @@ def tied_units(problem: Problem, graph: OpGraph) -> int:
     return count
 
 
-def exactness(stats: dict) -> dict:
+def exactness(stats: SearchStats) -> SearchStats:
     """`stats` with `exact` for the step as written, and `exact_for`: the plans among which
     the answer is proven optimal ("all plans"; with repeated layers tied, only the plans that
     repeat them; None where it is not proven). The search sets `exact` for the plans it
     covered, and a memory budget may withdraw it (budget.py); this is read once at the end."""
-    tied = stats.get("tied_units", 0)
-    proven = bool(stats.get("exact"))
-    return {**stats, "exact": proven and not tied,
-            "exact_for": (TIED_SPACE if tied else "all plans") if proven else None}
+    tied, proven = stats.tied_units or 0, stats.exact
+    return dataclasses.replace(stats, exact=proven and not tied, exact_for=(
+        (TIED_SPACE if tied else "all plans") if proven else None))
 
 
 def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape, problems: dict | None,
