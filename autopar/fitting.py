@@ -212,9 +212,9 @@ def _compiled(compiled_of: Compiled, made: Any) -> tuple[Any, int]:
     """(the executable, or None, and the bytes a device needs to run it). The TPU compiler
     refuses a program over the chip's memory (RESOURCE_EXHAUSTED) where XLA CPU compiles
     anything: the bytes are then those its error names (its temporaries), at least."""
-    progress.update("stage", "compiling the plan to check its memory")
     try:
-        executable = compiled_of(made)
+        with progress.stage("compile checks", "compiling the plan to check its memory"):
+            executable = compiled_of(made)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

@@ -13,6 +13,7 @@ from typing import Any
 # search statistics that are wall-clock seconds: left out of the JSON and of equality
 WALL_CLOCK = frozenset({"seconds", "search_s", "trace_s", "memory_search_s", "dual_s",
                         "shortlist_seconds"})
+STAGES = "planning_seconds"  # the flat key of SearchStats.planning_seconds
 
 
 class _Flat(Mapping):
@@ -93,8 +94,10 @@ class SearchStats(_Flat):
     `microbatches_tried`, `reduced_per_microbatch`: why the gradient is reduced in every
     microbatch).
 
-    `seconds`: wall-clock times (WALL_CLOCK), never in the JSON. `details`: the search's own
-    figures (nodes, edges, rounds, the other searches' costs), reported and never read."""
+    `seconds`: wall-clock times (WALL_CLOCK), and `planning_seconds` the seconds of the call
+    that made the plan in each stage (tracing, searching, bounding, compile checks) and in all
+    ("total"); neither is in the JSON. `details`: the search's own figures (nodes, edges,
+    rounds, the other searches' costs), reported and never read."""
 
     exact: bool = False
     exact_for: str | None = None
@@ -116,21 +119,24 @@ class SearchStats(_Flat):
     microbatches_tried: tuple[Any, ...] | None = None
     reduced_per_microbatch: str | None = None
     seconds: Mapping[str, float] = field(default_factory=dict)
+    planning_seconds: Mapping[str, float] = field(default_factory=dict)
     details: Mapping[str, Any] = field(default_factory=dict)
 
     def _flat(self) -> dict[str, Any]:
         typed = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("seconds", "details") or (value is None and f.name != "exact_for"):
+            if f.name in ("seconds", STAGES, "details") or (value is None
+                                                             and f.name != "exact_for"):
                 continue
             typed[f.name] = list(value) if isinstance(value, tuple) else value
-        return {**typed, **self.details, **self.seconds}
+        stages = {STAGES: dict(self.planning_seconds)} if self.planning_seconds else {}
+        return {**typed, **self.details, **self.seconds, **stages}
 
     def stable(self) -> dict[str, Any]:
         """The flat mapping without wall-clock seconds: what the same problem reproduces on
         any machine and in every process (the JSON holds this)."""
-        return {k: v for k, v in self._flat().items() if k not in self.seconds}
+        return {k: v for k, v in self._flat().items() if k not in self.seconds and k != STAGES}
 
     @property
     def bounded(self) -> bool:
@@ -165,3 +171,7 @@ class SearchStats(_Flat):
         return cls(**typed, seconds={k: v for k, v in flat.items() if k in WALL_CLOCK},
                    details={k: v for k, v in flat.items()
                             if k not in named and k not in WALL_CLOCK})
+
+    def timed(self, planning_seconds: Mapping[str, float]) -> SearchStats:
+        """These statistics with the seconds of planning by stage (progress.timing)."""
+        return dataclasses.replace(self, planning_seconds=dict(planning_seconds))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Mapping
 
 from autopar.name_ranges import collapse
 from autopar.placement.storable import Storage
@@ -28,6 +28,8 @@ def summary(plan: Plan, limit: int = 40) -> str:
         lines.append(bound_line(plan.search, stats))
     elif (stats.bound or "").startswith("none"):
         lines.append(f"search: {plan.search}, no bound ({stats.bound})")
+    if "total" in stats.planning_seconds:  # made in this process, not read from JSON
+        lines.append(planning_line(stats.planning_seconds))
     if {"at_peak", "where"} <= set(plan.memory):
         m = plan.memory
         kinds = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f}"
@@ -96,6 +98,12 @@ def bound_line(search: str, stats: SearchStats) -> str:
     return (f"search: {search}, within {gap:.2%} of the cost model's optimum{among}{priced}: "
             f"objective {stats.objective_s * 1e3:.3f} ms, lower bound "
             f"{stats.lower_bound * 1e3:.3f} ms")
+
+
+def planning_line(seconds: Mapping[str, float]) -> str:
+    """How long planning took, and in which stages (progress.stage's names)."""
+    stages = ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items() if name != "total")
+    return f"planned in {seconds['total']:.2f} s" + (f": {stages}" if stages else "")
 
 
 def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int = 1) -> str:

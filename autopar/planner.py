@@ -1,6 +1,7 @@
 """`autopar.plan`: a step planned on a mesh, nothing compiled or run."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 from autopar import progress
@@ -71,8 +72,9 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
             return planned_schedule(call, microbatches, batch_argnums, traced, shape, limit,
                                     pipeline, pipeline_repeats).plan
 
-    with progress.task(f"planning {function_name(fn)}"):
+    with progress.task(f"planning {function_name(fn)}"), progress.timing() as spent:
         made = through_cache("plan", call, options, platform, apply, searched, lambda p: p)
+    made = dataclasses.replace(made, search_stats=made.search_stats.timed(spent))
 
     return explainable(made, plan, fn, args, annotations, dict(
         mesh=mesh, search=search, hardware=hardware, memory_limit=limit,

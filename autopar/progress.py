@@ -62,6 +62,7 @@ class _Task:
 
 
 _current: list[_Task] = []  # the task under way (nested tasks report as its stages)
+_timings: list[dict[str, float]] = []  # seconds by stage, of each `timing` under way
 
 
 @contextlib.contextmanager
@@ -84,6 +85,35 @@ def task(what: str) -> Iterator[None]:
         _current.pop()
         if t.emitted:
             _log(f"{what}: {ended} {time.perf_counter() - t.start:.1f} s")
+
+
+@contextlib.contextmanager
+def timing() -> Iterator[dict[str, float]]:
+    """The seconds spent inside in each `stage`, by stage name, and inside in all ("total"),
+    whether or not progress is reported."""
+    spent: dict[str, float] = {}
+    _timings.append(spent)
+    start = time.perf_counter()
+    try:
+        yield spent
+    finally:
+        _timings.remove(spent)
+        spent["total"] = time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def stage(name: str, text: str | None = None) -> Iterator[None]:
+    """Work of one stage of planning ("tracing", "searching", "bounding", "compile checks"):
+    the task's line says `text` (by default `name`), and its seconds are added to every
+    `timing` under way."""
+    update("stage", text or name)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        for spent in _timings:
+            spent[name] = spent.get(name, 0.0) + elapsed
 
 
 def update(level: str, text: str) -> None:

@@ -46,10 +46,13 @@ class _Signature:
     make_plan: Callable[[], Plan]
     stored: Storage | None = None  # the stack's leaves kept in the circular placement
     lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)
+    # seconds of its planning by stage (progress.timing), for the plan's statistics
+    planning_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def plan(self) -> Plan:
-        return self.make_plan()
+        p = self.make_plan()
+        return dataclasses.replace(p, search_stats=p.search_stats.timed(self.planning_seconds))
 
 
 class AutoParallel:
@@ -92,8 +95,10 @@ class AutoParallel:
             # several processes: each plans the same program, or all stop here (distributed.py)
             agree("the step's call", call_items(self._options(), call.static,
                                                    zip(call.paths, call.leaves)))
-            with young_objects_only(), progress.task(f"planning {function_name(self.fn)}"):
+            with (young_objects_only(), progress.task(f"planning {function_name(self.fn)}"),
+                  progress.timing() as spent):
                 self._cache[key] = made = self._make(call)
+            made.planning_seconds = spent
             agree("the plan made from that call", decisions_items(made.decisions))
         return self._cache[key]
 
@@ -113,7 +118,7 @@ class AutoParallel:
             return self._from_saved(call, shape, self.saved, self.microbatches)
         return through_cache("auto_parallel", call, self._options(), self.platform,
                              lambda cached: self._from_saved(call, shape, cached),
-                             lambda: self._planned(call, shape), lambda made: made.plan)
+                             lambda: self._planned(call, shape), lambda made: made.make_plan())
 
     def _from_saved(self, call: Call, shape: MeshShape | int, saved: Plan,
                     microbatches: int | None = None) -> _Signature:

@@ -301,6 +301,10 @@ def test_a_plan_near_the_limit_is_planned_again_where_xla_needs_more(monkeypatch
     assert plan.search_stats["compile_checks"] >= 2
     assert plan.cost["peak_memory_bytes"] <= limit and plan.memory["compiled_bytes"] <= limit
     assert "compiled by XLA" in plan.summary()
+    # the compiles that checked it are a stage of its planning, timed with the others
+    spent = plan.search_stats.planning_seconds
+    assert spent["compile checks"] > 0 and spent["searching"] > 0 and spent["tracing"] > 0
+    assert sum(s for stage, s in spent.items() if stage != "total") <= spent["total"]
     monkeypatch.setattr(fitting, "COMPILE_CHECKS", 0)
     with pytest.raises(autopar.AutoparError, match="compiles to .* over memory_limit"):
         autopar.auto_parallel(step, donate_argnums=0, mesh=mesh, hardware=SLOW_LINKS,

@@ -263,6 +263,21 @@ def test_cost_and_search_stats_are_records_that_read_as_the_jsons_mappings():
         hash(cost)
 
 
+def test_a_plan_says_how_long_each_stage_of_its_planning_took():
+    """Tracing, searching and bounding are timed, kept in the plan made in this process and
+    said by its summary; never in the JSON, which the same problem reproduces byte for byte."""
+    step, state, batch = models.gpt_abstract(batch=16, seq=32, vocab=256, d_model=64,
+                                             heads=4, layers=1)
+    plan = autopar.plan(step, state, batch, mesh={"data": 2, "model": 4})
+    spent = plan.search_stats.planning_seconds
+    assert {"tracing", "searching", "bounding", "total"} <= set(spent)
+    assert 0 < sum(s for stage, s in spent.items() if stage != "total") <= spent["total"]
+    assert f"planned in {spent['total']:.2f} s: tracing" in plan.summary()
+    again = autopar.Plan.from_json(plan.to_json())
+    assert "planning_seconds" not in plan.to_json() and not again.search_stats.planning_seconds
+    assert "planned in" not in again.summary()
+
+
 def test_compact_plan_round_trips_and_applies_its_repeated_layers():
     step, state, batch = models.gpt_setup()
     mesh = autopar.make_mesh(MESH)

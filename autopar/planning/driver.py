@@ -82,30 +82,30 @@ class Planning:
         placement/lanes.py), and the circular schedule's stack stored in its placement where
         the step allows (traced again: to find which leaves, then reading them so)."""
         t0 = time.perf_counter()
-        progress.update("stage", "tracing")
-        platform = platform or hw.platform
-        found = (traced_lanes(fn, args, donated, platform)
-                 if keep_placement and schedule.stages > 1 else None)
-        if found is not None:  # a Python loop's layers stored stacked (placement/lanes.py)
-            graph, lanes, out_tree = found.graph, found.lanes, found.out_tree
-            in_tree, plan_out_tree = found.in_tree, found.plan_out_tree
-        else:
-            graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
-            lanes, out_tree = None, jax.tree_util.tree_structure(out_shape)
-            plan_out_tree = out_tree
-        stored = None
-        if keep_placement and schedule.rounds > 1:
-            def again(reads: Sequence[int]) -> OpGraph:  # the step, its stack read as stored
-                stepped = reading_stored(fn, reads)
-                if lanes is None:
-                    return trace(stepped, args, donated, compiler=platform)[0]
-                found = traced_lanes(stepped, args, donated, platform)
-                if found is None or found.lanes != lanes:
-                    raise AutoparError("keep_placement: the step stacks other layers when its "
-                                       "stack is read in the circular placement.")
-                return found.graph
-            graph, stored = traced_stored(again, graph, schedule.stages, schedule.rounds,
-                                          lanes)
+        with progress.stage("tracing"):
+            platform = platform or hw.platform
+            found = (traced_lanes(fn, args, donated, platform)
+                     if keep_placement and schedule.stages > 1 else None)
+            if found is not None:  # a Python loop's layers stored stacked (placement/lanes.py)
+                graph, lanes, out_tree = found.graph, found.lanes, found.out_tree
+                in_tree, plan_out_tree = found.in_tree, found.plan_out_tree
+            else:
+                graph, in_tree, out_shape = trace(fn, args, donated, compiler=platform)
+                lanes, out_tree = None, jax.tree_util.tree_structure(out_shape)
+                plan_out_tree = out_tree
+            stored = None
+            if keep_placement and schedule.rounds > 1:
+                def again(reads: Sequence[int]) -> OpGraph:  # the step, its stack read as stored
+                    stepped = reading_stored(fn, reads)
+                    if lanes is None:
+                        return trace(stepped, args, donated, compiler=platform)[0]
+                    found = traced_lanes(stepped, args, donated, platform)
+                    if found is None or found.lanes != lanes:
+                        raise AutoparError("keep_placement: the step stacks other layers when its "
+                                           "stack is read in the circular placement.")
+                    return found.graph
+                graph, stored = traced_stored(again, graph, schedule.stages, schedule.rounds,
+                                              lanes)
         return cls(graph, in_tree, out_tree, hw, search, annotations, buffer_model(platform),
                    time.perf_counter() - t0, schedule=schedule, stored=stored, lanes=lanes,
                    plan_out_tree=plan_out_tree)
@@ -140,9 +140,10 @@ class Planning:
         if best is None:
             raise fit_error or first_error
         shape, chosen = best
-        progress.update("stage", "bounding the plan's distance from the optimum")
-        stats = with_dual_bound(self.graph, shape, self.hw, self.search, pins[shape],
-                                self.units, self.problems.setdefault(shape, {}), chosen.stats)
+        with progress.stage("bounding", "bounding the plan's distance from the optimum"):
+            stats = with_dual_bound(self.graph, shape, self.hw, self.search, pins[shape],
+                                    self.units, self.problems.setdefault(shape, {}),
+                                    chosen.stats)
         chosen = dataclasses.replace(chosen, stats=exactness(stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.plan_out_tree, memory_limit, self.buffers)
@@ -159,9 +160,9 @@ class Planning:
         if key in self.attempts:
             return self.attempts[key]
         problems = self.problems.setdefault(shape, {})
-        progress.update("stage", f"searching ({self.search})")
-        solved = solve(self.graph, shape, self.hw, self.search, pinned, price, self.units,
-                       problems, kept_budget)
+        with progress.stage("searching", f"searching ({self.search})"):
+            solved = solve(self.graph, shape, self.hw, self.search, pinned, price, self.units,
+                           problems, kept_budget)
         decisions = dataclasses.replace(solved.decisions, recompute=recompute)
         found = self.attempts[key] = Candidate(
             decisions, tally(self.graph, decisions, shape, self.hw, pinned),
