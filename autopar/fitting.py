@@ -24,6 +24,7 @@ rounds remembered (Planning.attempts), only where the budget's plan is the one t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -69,8 +70,10 @@ class _Again:
         return planned.decisions, planned.plan
 
 
-# -> the step's signature: a dataclass whose `make_plan` field gives the Plan it runs
-Make = Callable[[Decisions, Plan], Any]
+# (planning, decisions, plan) -> the step's signature: a dataclass whose `make_plan` field
+# gives the Plan it runs
+Make = Callable[[Planning, Decisions, Plan], Any]
+Build = Callable[[Decisions, Plan], Any]  # a Make of the planning under way
 Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled)
 
 
@@ -80,9 +83,10 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
     again here keeps what `planned` says of the schedules and microbatch counts weighed."""
     planning, decisions, p = planned.planning, planned.decisions, planned.plan
     again = _Again(planning, planned.mesh, p.search_stats.schedules_weighed())
+    build = functools.partial(make, planning)  # the step to run of this planning's plans
     budgeted = p.search_stats.budgeted
     if budgeted:
-        unbudgeted, scale = _unbudgeted(again, memory_limit, make, compiled_of, p)
+        unbudgeted, scale = _unbudgeted(again, memory_limit, build, compiled_of, p)
         if unbudgeted is not None:
             return unbudgeted
         if not planning.prove and planning.search == "dynamic_programming":
@@ -90,7 +94,7 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
             planning.prove, again.mesh = True, mesh_shape(dict(p.mesh))
             decisions, p = again.plan(memory_limit)
         if scale > 1:
-            scaled = _scaled(again, memory_limit, scale, p, make, compiled_of)
+            scaled = _scaled(again, memory_limit, scale, p, build, compiled_of)
             if scaled is not None:
                 return scaled
     # A platform without a calibrated buffer model is checked whenever the budget binds, and
@@ -98,7 +102,7 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
     band = CHECK_BAND if planning.buffers.calibrated else UNCALIBRATED_BAND
     if (p.cost.peak_memory_bytes < band * memory_limit
             and (planning.buffers.calibrated or not budgeted)):
-        return make(decisions, p)
+        return build(decisions, p)
     limit, compiled = memory_limit, 0
     for check in range(COMPILE_CHECKS + 1):
         if check:
@@ -109,7 +113,7 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
                     f"the plan estimated to fit memory_limit={mib(memory_limit)} compiled "
                     f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
                     f"{e}") from e
-        made = make(decisions, p)
+        made = build(decisions, p)
         compiled = _compiled(compiled_of, made)[1]
         p = _with_compiled(p, compiled, check + 1)
         if compiled <= memory_limit:
@@ -131,7 +135,7 @@ def _with_compiled(p: Plan, compiled: int, checks: int) -> Plan:
                                                                 compile_checks=checks))
 
 
-def _unbudgeted(again: _Again, memory_limit: int, make: Make, compiled_of: Compiled,
+def _unbudgeted(again: _Again, memory_limit: int, make: Build, compiled_of: Compiled,
                 budgeted: Plan) -> tuple[Any, float]:
     """The plan made without a memory limit, where XLA's own figure puts it within the
     limit: it is faster than the leaner plan the budget chose (a small GPT at a data-parallel
@@ -170,7 +174,7 @@ def _kept(made: Any, p: Plan, compiled: int, memory_limit: int, checks: int,
 
 
 def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: Plan,
-                pinned: Any, executable: Any, make: Make, compiled_of: Compiled) -> Any:
+                pinned: Any, executable: Any, make: Build, compiled_of: Compiled) -> Any:
     """The plan lowered with its inputs' and outputs' shardings alone, where XLA fits it
     within the limit and judges it (`autopar.evaluate` on the plan's hardware) no slower than
     the program pinned throughout; else None."""
@@ -184,7 +188,7 @@ def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: 
     return _kept(made, p, compiled, memory_limit, 2, pinned_inside=False)
 
 
-def _scaled(again: _Again, memory_limit: int, scale: float, budgeted: Plan, make: Make,
+def _scaled(again: _Again, memory_limit: int, scale: float, budgeted: Plan, make: Build,
             compiled_of: Compiled) -> Any:
     """The plan for the estimate that, reading `scale` times over XLA's figure as the
     unbudgeted plan's did, fills the limit: kept where it compiles within the limit and is

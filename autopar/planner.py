@@ -15,10 +15,9 @@ from autopar.explain import explainable
 from autopar.mesh import MeshShape, mesh_or_count, mesh_shape
 from autopar.plan import Plan
 from autopar.plan_cache import through_cache
-from autopar.planning.driver import tracer
+from autopar.plan_call import Request, plan_call
 from autopar.planning.microbatches import check_microbatches
 from autopar.planning.pins import Annotations, check_annotations_type
-from autopar.planning.schedules import planned_schedule
 from autopar.planning.solve import SEARCHES
 from autopar.rewrite.gpipe import check_pipeline
 
@@ -57,7 +56,8 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
     platform = compiler_platform(mesh, hw)
     shape = mesh_or_count(mesh)
 
-    traced = tracer(call, batch_argnums, hw, search, annotations, platform, keep_placement)
+    request = Request(search, hw, annotations, platform, limit, microbatches, batch_argnums,
+                      pipeline, pipeline_repeats, keep_placement)
     options = {"mesh": shape, "search": search, "hardware": hw, "annotations": annotations,
                "memory_limit": limit, "microbatches": microbatches,
                "batch_argnums": batch_argnums, "pipeline": pipeline,
@@ -69,8 +69,7 @@ def plan(fn: Callable, *args: Any, mesh: Any, search: str = "dynamic_programming
 
     def searched() -> Plan:
         with young_objects_only():
-            return planned_schedule(call, microbatches, batch_argnums, traced, shape, limit,
-                                    pipeline, pipeline_repeats).plan
+            return plan_call(call, shape, request).plan
 
     with progress.task(f"planning {function_name(fn)}"), progress.timing() as spent:
         made = through_cache("plan", call, options, platform, apply, searched, lambda p: p)

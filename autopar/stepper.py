@@ -18,7 +18,6 @@ from autopar.devices import check_runnable, compiler_platform
 from autopar.distributed import agree, call_items, decisions_items
 from autopar.errors import AutoparError
 from autopar.explain import explainable
-from autopar.fitting import fitted
 from autopar.lower import jit_step
 from autopar.mesh import MeshShape, auto_axes, make_mesh, mesh_or_count, mesh_shape
 from autopar.placement.lanes import Lanes, as_leaf
@@ -27,9 +26,9 @@ from autopar.placement.stored import placed_outputs, stored_inputs
 from autopar.plan import Plan
 from autopar.plan_cache import through_cache
 from autopar.planner import plan
-from autopar.planning.driver import tracer
+from autopar.plan_call import CompileCheck, Request, plan_call
+from autopar.planning.driver import Planning
 from autopar.planning.pins import Annotations
-from autopar.planning.schedules import planned_schedule
 from autopar.rules.factors import Spec, to_partition_spec
 from autopar.trace.ir import OpGraph
 
@@ -132,14 +131,7 @@ class AutoParallel:
 
     def _planned(self, call: Call, shape: MeshShape | int) -> _Signature:
         """The searched plan, compiled to check where the memory estimate may be wrong."""
-        # not proven until fitted() rules out the plan made with no limit
-        traced = tracer(call, self.batch_argnums, self.hw, self.search, self.annotations,
-                        self.platform, self.keep_placement, prove=False)
-        planned = planned_schedule(call, self.microbatches, self.batch_argnums, traced, shape,
-                                   self.memory_limit, self.stages, self.repeats)
-        planning = planned.planning
-
-        def make(decisions: Decisions, p: Plan) -> _Signature:
+        def make(planning: Planning, decisions: Decisions, p: Plan) -> _Signature:
             return self._signature(planning.graph, decisions, dict(p.mesh),
                                    [t.spec for t in p.outputs], planning.out_tree, lambda: p,
                                    planning.stored, planning.lanes)
@@ -147,7 +139,10 @@ class AutoParallel:
         def compiled_of(made: _Signature) -> Any:
             return made.jitted.lower(*_abstract(call.leaves, made.lanes)).compile()
 
-        return fitted(planned, self.memory_limit, make, compiled_of)
+        request = Request(self.search, self.hw, self.annotations, self.platform,
+                          self.memory_limit, self.microbatches, self.batch_argnums, self.stages,
+                          self.repeats, self.keep_placement)
+        return plan_call(call, shape, request, CompileCheck(make, compiled_of))
 
     def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],
                    out_specs: list[Spec], out_tree: Any, make_plan: Callable[[], Plan],

@@ -85,7 +85,7 @@ def run(compiled_mib: dict, judged_ms: dict | None = None, prove: bool = True,
 
     JUDGED_MS.clear()
     JUDGED_MS.update({m * MiB: ms for m, ms in (judged_ms or {}).items()})
-    made = fitting.fitted(planned, LIMIT, lambda d, q: Made(d, lambda: q), compiled)
+    made = fitting.fitted(planned, LIMIT, lambda planning, d, q: Made(d, lambda: q), compiled)
     return made, planner
 
 

@@ -33,8 +33,8 @@ def entries(folder):
 def no_search(monkeypatch):
     def searched(*args, **kwargs):
         raise AssertionError("searched, though the plan cache holds this plan")
-    monkeypatch.setattr("autopar.planner.planned_schedule", searched)
-    monkeypatch.setattr("autopar.stepper.planned_schedule", searched)
+    monkeypatch.setattr("autopar.planner.plan_call", searched)
+    monkeypatch.setattr("autopar.stepper.plan_call", searched)
 
 
 def test_cache_is_off_by_default(monkeypatch):

@@ -7,7 +7,7 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import jax
 
@@ -189,6 +189,32 @@ class Planned:
 
 
 Tracer = Callable[[Schedule], Planning]  # a call's step traced under a schedule
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A schedule that a search of schedules weighs: the step traced under it and planned on
+    `mesh` within `limit`."""
+
+    schedule: Schedule
+    mesh: MeshShape | int
+    limit: int | None
+
+
+# A search of schedules (planning/schedules.py, microbatches.py): it yields each Ask and is sent
+# the Planned, or the AutoparError planning it raised, and returns the Planned it keeps. The
+# tracing and searching are the caller's (autopar.plan_call), which it does in one place.
+Weighing = Generator[Ask, "Planned | AutoparError", Planned]
+
+
+def ask(schedule: Schedule, mesh: MeshShape | int, limit: int | None
+        ) -> Generator[Ask, Planned | AutoparError, Planned]:
+    """The step planned under `schedule` on `mesh` within `limit`, in a search of schedules
+    (`yield from` it): the AutoparError planning it raised is raised here."""
+    outcome = yield Ask(schedule, mesh, limit)
+    if isinstance(outcome, AutoparError):
+        raise outcome
+    return outcome
 
 
 def tracer(call: Call, batch_argnums: int | Sequence[int], hw: Hardware, search: str,

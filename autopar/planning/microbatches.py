@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import jax
 from jax.sharding import PartitionSpec
@@ -40,7 +40,7 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape, mesh_shape
 from autopar.plan import Plan
-from autopar.planning.driver import Planned, Tracer
+from autopar.planning.driver import Ask, Planned, Weighing, ask
 from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.schedule import Schedule
@@ -59,31 +59,31 @@ def check_microbatches(microbatches: int | str) -> None:
                            "memory_limit).")
 
 
-def planned_within(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                   traced: Tracer, shape: MeshShape | int,
-                   limit: int | None, stages: int = 1, repeats: int = 1) -> Planned:
-    """The step traced by `traced(schedule)` and planned on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
+def weigh_microbatches(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
+                       shape: MeshShape | int, limit: int | None, stages: int = 1,
+                       repeats: int = 1) -> Weighing:
+    """A search of schedules (driver.Weighing): the step planned on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
     ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
     loop where that is no slower and fits (else search_stats.reduced_per_microbatch says
     why not). With `stages`, the loss's layer stack pipelined (gpipe.py; `repeats` times
     round), in shares on the
     other axes where that is no slower."""
-    def plan_with(m: int) -> Planned:
-        return traced(Schedule(m, stages=stages, rounds=repeats)).plan(shape, limit)
+    def plan_with(m: int) -> Weighing:
+        return ask(Schedule(m, stages=stages, rounds=repeats), shape, limit)
 
-    shares = _stage_shares_first(call, microbatches, batch_argnums, traced, shape, limit,
-                                 stages, repeats)
+    shares = yield from _stage_shares_first(call, microbatches, batch_argnums, shape, limit,
+                                            stages, repeats)
     if shares is not None and shares.alone:
         return shares.planned
     try:
-        planned, tried = fewest_fitting(plan_with, microbatches, call, batch_argnums)
+        planned, tried = yield from fewest_fitting(plan_with, microbatches, call, batch_argnums)
     except AutoparError:
         if shares is not None and shares.planned is not None:  # the shares, kept together,
             return shares.planned                               # are all that could be planned
         raise
     if planned.plan.microbatches > 1:
-        planned = _reduced_once(call, batch_argnums, traced, limit, planned, stages, repeats,
-                                shares)
+        planned = yield from _reduced_once(call, batch_argnums, limit, planned, stages,
+                                           repeats, shares)
     return planned.noting(microbatches_tried=tuple(tried)) if len(tried) > 1 else planned
 
 
@@ -99,9 +99,9 @@ class Shares:
 
 
 def _stage_shares_first(call: Call, microbatches: int | str,
-                        batch_argnums: int | Sequence[int], traced: Tracer,
-                        shape: MeshShape | int, limit: int | None, stages: int, repeats: int
-                        ) -> Shares | None:
+                        batch_argnums: int | Sequence[int], shape: MeshShape | int,
+                        limit: int | None, stages: int, repeats: int
+                        ) -> Generator[Ask, Any, Shares | None]:
     """A pipeline on a mesh with one axis of G > 1 devices besides 'stage': the step with G
     shares per microbatch planned on it, and whether to keep it without planning the
     microbatches reducing in each (see the module's docstring), or why it could not be
@@ -116,7 +116,7 @@ def _stage_shares_first(call: Call, microbatches: int | str,
     if batch_size(call.abstract(), positions, 1) % (microbatches * groups):
         return None  # _reduced_once says why
     try:
-        planned = traced(Schedule(microbatches, groups, stages, repeats)).plan(shape, limit)
+        planned = yield from ask(Schedule(microbatches, groups, stages, repeats), shape, limit)
     except AutoparError as e:  # a share too small for the loss's code, or no fit
         return Shares(why_not=f"in {groups} shares: {e}")
     graph = planned.planning.graph
@@ -142,10 +142,9 @@ def _splits_loop_products(graph: OpGraph, decisions: Decisions, axis: str) -> bo
         any(axis in axes for _, axes in st.assignment) for st in products)
 
 
-def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
-                  traced: Tracer, limit: int | None,
+def _reduced_once(call: Call, batch_argnums: int | Sequence[int], limit: int | None,
                   first: Planned, stages: int = 1, repeats: int = 1,
-                  shares: Shares | None = None) -> Planned:
+                  shares: Shares | None = None) -> Weighing:
     """`first` (a plan accumulating per microbatch, or pipelining over `stages`), or the same
     step with its gradient kept per share of G device groups and reduced once after the loop,
     planned on `first`'s mesh, where that is estimated no slower and fits (`_share_count`
@@ -160,7 +159,7 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(shares.why_not)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     shape = mesh_shape(dict(p.mesh))
-    groups = _share_count(traced, p, positions, shape, stages > 1)
+    groups = yield from _share_count(p, positions, shape, stages > 1)
     size = batch_size(call.abstract(), positions, 1)
     if groups == 1:
         return per_microbatch("no plan splits the batch")
@@ -168,8 +167,8 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
         return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
                               f"divide the batch of {size}")
     try:
-        grouped = shares.planned if shares is not None else traced(
-            Schedule(p.microbatches, groups, stages, repeats)).plan(shape, limit)
+        grouped = shares.planned if shares is not None else (yield from ask(
+            Schedule(p.microbatches, groups, stages, repeats), shape, limit))
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
         return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
     if grouped.plan.cost.total_s > p.cost.total_s:         # or no fit
@@ -178,8 +177,8 @@ def _reduced_once(call: Call, batch_argnums: int | Sequence[int],
     return dataclasses.replace(grouped, mesh=first.mesh)  # planned again as first would be
 
 
-def _share_count(traced: Tracer, p: Plan, positions: Sequence[int], shape: MeshShape,
-                 staged: bool = False) -> int:
+def _share_count(p: Plan, positions: Sequence[int], shape: MeshShape, staged: bool = False
+                 ) -> Generator[Ask, Any, int]:
     """G: the device groups `p` splits its batch over, else those of the step planned in one
     batch without a memory limit (reducing per microbatch can make a plan keep the batch
     whole, which the shares would not have to); 1 where neither splits it. `staged`: the
@@ -193,7 +192,7 @@ def _share_count(traced: Tracer, p: Plan, positions: Sequence[int], shape: MeshS
     if staged and len(others) == 1:
         return dict(p.mesh)[others[0]]
     try:
-        whole = traced(Schedule()).plan(shape, None).plan
+        whole = (yield from ask(Schedule(), shape, None)).plan
     except AutoparError:
         return 1
     return batch_groups(whole, positions, staged)
@@ -216,17 +215,19 @@ def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call: Call,
-                   batch_argnums: int | Sequence[int]) -> tuple[T, list[int]]:
-    """`plan_with(M)` for the M asked, and the counts tried. For "auto": the fewest
+def fewest_fitting(plan_with: Callable[[int], Generator[Ask, Any, T]],
+                   microbatches: int | str, call: Call, batch_argnums: int | Sequence[int]
+                   ) -> Generator[Ask, Any, tuple[T, list[int]]]:
+    """`plan_with(M)` for the M asked (a search of schedules: `yield from` it), and the counts
+    tried. For "auto": the fewest
     microbatches whose plan fits the memory limit, 1 first, then a bisection over the batch
     size's divisors, assuming that a count that fits leaves every larger count fitting.
     Each count traces the step again."""
     if microbatches != "auto":
-        return plan_with(microbatches), [microbatches]
+        return (yield from plan_with(microbatches)), [microbatches]
     tried = [1]
     try:
-        return plan_with(1), tried
+        return (yield from plan_with(1)), tried
     except MemoryLimitError as e:
         alone = unfit = e
     positions = call.traced_positions(batch_argnums, "batch_argnums")
@@ -237,7 +238,7 @@ def fewest_fitting(plan_with: Callable[[int], T], microbatches: int | str, call:
         mid = (lo + hi) // 2
         tried.append(counts[mid])
         try:
-            best, hi = plan_with(counts[mid]), mid - 1
+            best, hi = (yield from plan_with(counts[mid])), mid - 1
         except MemoryLimitError as e:
             unfit, lo = e, mid + 1
         except AutoparError as e:  # not accumulated over so many: a microbatch of one

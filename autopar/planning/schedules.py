@@ -24,15 +24,15 @@ why it was left out.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Generator, Sequence
 
 from autopar import progress
 from autopar.calling import Call
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.mesh import MeshShape
 from autopar.plan import Plan
-from autopar.planning.driver import Planned, Tracer
-from autopar.planning.microbatches import planned_within
+from autopar.planning.driver import Ask, Planned, Weighing
+from autopar.planning.microbatches import weigh_microbatches
 from autopar.rewrite.accumulate import batch_size
 from autopar.rewrite.ticks import STAGE_AXIS
 
@@ -40,14 +40,15 @@ MICROBATCHES_PER_STAGE = (2, 4, 8)  # M = k * S for these k, fewest first
 ROUNDS = (2, 4, 8)  # the circular schedule's rounds weighed, fewest first
 
 
-def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
-                     traced: Tracer, shape: MeshShape | int,
-                     limit: int | None, pipeline: int | str, repeats: int = 1) -> Planned:
-    """`planned_within`'s plan for a stage count given, or for pipeline="auto" the fastest
-    estimated schedule that fits (see the module's docstring)."""
+def weigh_schedules(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
+                    shape: MeshShape | int, limit: int | None, pipeline: int | str,
+                    repeats: int = 1) -> Weighing:
+    """The search of schedules (driver.Weighing) for the options asked: `weigh_microbatches`
+    for a stage count given, or for pipeline="auto" the fastest estimated schedule that fits
+    (see the module's docstring). Each schedule is added here."""
     if pipeline != "auto":
-        return planned_within(call, microbatches, batch_argnums, traced, shape, limit,
-                              pipeline, repeats)
+        return (yield from weigh_microbatches(call, microbatches, batch_argnums, shape, limit,
+                                              pipeline, repeats))
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     size = batch_size(call.abstract(), positions, 1)
     tried: list[dict] = []
@@ -55,7 +56,7 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
     errors: list[AutoparError] = []
 
     def attempt(stages: int, mesh: MeshShape | int, m: int | str, rounds: int = 1
-                ) -> Plan | AutoparError:
+                ) -> Generator[Ask, Any, Plan | AutoparError]:
         nonlocal best
         entry = {"stages": stages, "mesh": str(mesh), "microbatches": m,
                  **({"repeats": rounds} if rounds > 1 else {})}
@@ -63,8 +64,8 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
             f"{stages} stages, {m} microbatches" + (f", {rounds} rounds" if rounds > 1 else "")
             if stages > 1 else f"no pipeline, {m} microbatches"))
         try:
-            planned = planned_within(call, m, batch_argnums, traced, mesh, limit, stages,
-                                     rounds)
+            planned = yield from weigh_microbatches(call, m, batch_argnums, mesh, limit,
+                                                    stages, rounds)
         except AutoparError as e:
             errors.append(e)
             tried.append({**entry, "left_out": _first_line(e)})
@@ -78,7 +79,7 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
             best = planned
         return p
 
-    attempt(1, shape, "auto" if microbatches == 1 else microbatches)
+    yield from attempt(1, shape, "auto" if microbatches == 1 else microbatches)
     if isinstance(shape, MeshShape) and STAGE_AXIS not in shape.names:
         tried.append({"stages": "S > 1", "mesh": str(shape), "left_out": (
             f"the mesh has no {STAGE_AXIS!r} axis to split the layers over: make the mesh "
@@ -86,7 +87,7 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
     for stages, mesh in _staged_meshes(shape):
         previous = None
         for m in _microbatch_counts(stages, microbatches, size):
-            p = attempt(stages, mesh, m, repeats)
+            p = yield from attempt(stages, mesh, m, repeats)
             if isinstance(p, MemoryLimitError):
                 continue  # more microbatches keep fewer activations: they may fit
             if isinstance(p, AutoparError) or (
@@ -96,7 +97,7 @@ def planned_schedule(call: Call, microbatches: int | str, batch_argnums: int | S
         if previous is None or repeats > 1:
             continue
         for rounds in ROUNDS:  # the circular schedule at the best M
-            p = attempt(stages, mesh, previous.microbatches, rounds)
+            p = yield from attempt(stages, mesh, previous.microbatches, rounds)
             if isinstance(p, AutoparError) or p.cost.total_s >= previous.cost.total_s:
                 break  # R S does not divide the stack, or more rounds cost more
             previous = p
