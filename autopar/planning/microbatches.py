@@ -62,12 +62,12 @@ def check_microbatches(microbatches: int | str) -> None:
 def weigh_microbatches(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                        shape: MeshShape | int, limit: int | None, stages: int = 1,
                        repeats: int = 1) -> Weighing:
-    """A search of schedules (driver.Weighing): the step planned on `shape` within `limit`, with the microbatches asked, or with the fewest that fit
-    ("auto"), the counts tried recorded in the plan's search_stats; reduced once after the
-    loop where that is no slower and fits (else search_stats.reduced_per_microbatch says
-    why not). With `stages`, the loss's layer stack pipelined (gpipe.py; `repeats` times
-    round), in shares on the
-    other axes where that is no slower."""
+    """A search of schedules (driver.Weighing): the step planned on `shape` within `limit`,
+    with the microbatches asked, or with the fewest that fit ("auto"), the counts tried
+    recorded in the plan's search_stats; reduced once after the loop where that is no slower
+    and fits (else search_stats.reduced_per_microbatch says why not). With `stages`, the
+    loss's layer stack pipelined (gpipe.py; `repeats` times round), in shares on the other
+    axes where that is no slower."""
     def plan_with(m: int) -> Weighing:
         return ask(Schedule(m, stages=stages, rounds=repeats), shape, limit)
 
