@@ -175,7 +175,8 @@ class Planning:
 class Planned:
     """A step planned: its Planning (to plan it again, another limit, without tracing), the
     decisions the search made, the Plan written from them, and the mesh to plan it on again:
-    the one asked (a device count stays a count), or the one a pipeline's schedule chose."""
+    the one it was planned on as asked (a device count stays a count; a pipeline's schedule
+    asks for its mesh with a 'stage' axis)."""
 
     planning: Planning
     decisions: Decisions

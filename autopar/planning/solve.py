@@ -270,7 +270,7 @@ def exactness(stats: SearchStats) -> SearchStats:
     the answer is proven optimal ("all plans"; with repeated layers tied, only the plans that
     repeat them; None where it is not proven). The search sets `exact` for the plans it
     covered, and a memory budget may withdraw it (budget.py); this is read once at the end."""
-    tied, proven = stats.tied_units or 0, stats.exact
+    tied, proven = stats.tied_units or 0, bool(stats.exact)
     return dataclasses.replace(stats, exact=proven and not tied, exact_for=(
         (TIED_SPACE if tied else "all plans") if proven else None))
 
