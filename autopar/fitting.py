@@ -138,13 +138,12 @@ def _with_compiled(p: Plan, compiled: int, checks: int) -> Plan:
 def _unbudgeted(again: _Again, memory_limit: int, make: Build, compiled_of: Compiled,
                 budgeted: Plan) -> tuple[Any, float]:
     """The plan made without a memory limit, where XLA's own figure puts it within the
-    limit: it is faster than the leaner plan the budget chose (a small GPT at a data-parallel
-    expert's memory was estimated 7% over it and planned 2.6x slower). Compiled only where its
+    limit: it is faster than the leaner plan the budget chose. Compiled only where its
     estimate is within the estimate's error of the limit, where the estimate's buffer model
     is not calibrated for the platform (a conservative estimate says little of what XLA
-    needs), or where the `budgeted` plan is predicted COSTLY_BUDGET times slower (a small
-    ResNet's estimate read 29% over XLA's figure, and its budgeted plan was 2x slower). With
-    it, or None, how far its estimate reads over XLA's figure (1: not known)."""
+    needs), or where the `budgeted` plan is predicted COSTLY_BUDGET times slower (the
+    measurements behind both: docs/decisions.md, "Measurements moved out of the planning
+    code"). With it, or None, how far its estimate reads over XLA's figure (1: not known)."""
     decisions, p = again.plan(None)
     costly = budgeted.cost.total_s > COSTLY_BUDGET * p.cost.total_s
     if (again.planning.buffers.calibrated and not costly
@@ -192,10 +191,9 @@ def _scaled(again: _Again, memory_limit: int, scale: float, budgeted: Plan, make
             compiled_of: Compiled) -> Any:
     """The plan for the estimate that, reading `scale` times over XLA's figure as the
     unbudgeted plan's did, fills the limit: kept where it compiles within the limit and is
-    predicted faster than the `budgeted` plan. A mixture of experts at an expert-parallel
-    program's 574 MiB: the unbudgeted plan, estimated at 649 MiB, compiled to 583; the budget
-    chose a plan estimated at 477 (1.537 ms judged on h100, 1.06x the expert); planned for 639
-    it is 619, compiles to 553 and is judged 1.330 ms."""
+    predicted faster than the `budgeted` plan: an estimate that reads over XLA's figure makes
+    the budget choose a leaner, slower plan than fits (docs/decisions.md, "At the expert's
+    memory")."""
     try:
         decisions, p = again.plan(int(memory_limit * scale))
     except AutoparError:

@@ -42,7 +42,7 @@ ROUND_TABLE_LIMIT = 1e6  # a round is solved exactly when its tables stay this s
 def solve_round(graph: search.CostGraph) -> tuple[search.Solution, bool]:
     """The exact answer where that is cheap, else the greedy one; and whether it was exact.
     Without pruning dominated strategies: a round's nodes have a handful of strategies, and
-    pruning them took longer than eliminating them (0.13 s against 0.04 s on the example).
+    pruning them takes longer than eliminating them (docs/decisions.md, "Planning overhead").
     The width is estimated before eliminating, and the elimination can still meet a wider
     table (a circular pipeline's tick on 2x4: 1.8e6 entries): the greedy answer then too."""
     if search.largest_table(graph, ROUND_TABLE_LIMIT) <= ROUND_TABLE_LIMIT:
@@ -115,9 +115,9 @@ def paired_within(problem: Problem, pair: tuple[str, str], max_factor_size: floa
     both axes of `pair` on one factor, next to each other in that order, or neither: the
     problem of the mesh with the two taken as one axis. With an axis of every size as a
     choice, each node's strategies multiply with the axes, and bounded elimination of the
-    whole space loses: an encoder-decoder (d_model 768) on 2x2x2 was planned at 3.13 ms
-    (h100) where its plan on 2x4 is estimated at 2.76; with 'model' and 'inner' as one, the
-    2x2x2 problem gives that plan again. A node left with no such strategy keeps all."""
+    whole space loses plans the two-axis mesh finds; with the pair as one axis it finds them
+    again (docs/decisions.md, "Two neighbouring axes as one"). A node left with no such
+    strategy keeps all."""
     first, second = pair
     keep = []
     for r in problem.roots:
@@ -221,9 +221,9 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     as one (a one-axis mesh of all the devices), then a round on the whole mesh that keeps
     that answer's placement of all axes but the last and places the last. A first round over
     a small axis finds no split worth the latencies it adds, and later rounds keep its
-    replication (see `merged_within`): a small ResNet on 2x2x2 stayed replicated, judged 1.6x
-    data parallel's time. None on a mesh of one axis, or where a pin splits a dimension over
-    some of the axes only (it has no one-axis form)."""
+    replication (see `merged_within`; a small ResNet on 2x2x2: docs/decisions.md, "Two
+    neighbouring axes as one"). None on a mesh of one axis, or where a pin splits a dimension
+    over some of the axes only (it has no one-axis form)."""
     if len(order) < 2:
         return None
     name = "*".join(order)

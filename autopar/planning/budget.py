@@ -10,9 +10,9 @@ parameters (FSDP), then activations. recursive_programming, charged heavily, spl
 
 The price charges the bytes a plan keeps (memory.kept_bytes), and whether it fits is its
 peak: a higher price can find a plan keeping fewer bytes and more temporaries at its peak. So
-where the first price does not fit, prices below it are tried too (a mixture of experts within
-2.91 GiB on 8 x 8 v5p chips: the first price planned 85.8 ms predicted, over the limit; the
-first price above it that fit, 88.9 ms; a sixteenth of it, 77.0 ms within the limit).
+where the first price does not fit, prices below it are tried too (the mixture of experts
+within 2.91 GiB on 8 x 8 v5p chips that showed it: docs/decisions.md, "What the TPU compiler
+adds before it reduces").
 
 A price finds only the plans on the convex hull of (time, memory); the fastest fitting plan
 may lie above it. With dynamic_programming, where exact tables fit, the price search's answer

@@ -17,13 +17,12 @@ schedule's planning time, and their program's layouts are the shares' with the s
 together, which the shares' search weighed. Otherwise the microbatches reducing in each are
 planned and the two compared as above: where some product runs whole on each device of the
 axis, the shares' copies of work repeat each other; where the plan is bound by its links,
-leaving the axis idle may be faster, and the shares' search does not always find that (a
-d_model-32 test GPT on stage 2 x data 4 for h100: 0.158 ms in shares, 0.112 reducing in each
-microbatch with 'data' idle; its loop communicates 0.050 ms against 0.012 of compute). Only
+leaving the axis idle may be faster, and the shares' search does not always find that. Only
 the loop's own operators are weighed: what runs outside it (a Python loop's layers stacked
-every step, the optimizer) costs the same either way, and counting it planned a d_model-1024
-Python loop twice (35.9 ms of communication against 27.8 of compute in all, 10.4 against
-19.1 in its loop) to keep the shares all the same.
+every step, the optimizer) costs the same either way, and counting it would plan a step
+bound by its links outside the loop twice to keep the shares all the same (both measured in
+docs/decisions.md, "A pipeline's ticks pin the stage dimension alone; shares planned
+first").
 """
 from __future__ import annotations
 

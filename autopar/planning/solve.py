@@ -227,9 +227,9 @@ def _untied(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spe
     """The problem without repeated-layer ties, where the step is small enough to search that
     way: where its exact tables fit, the answer is then the optimum over every plan, not only
     those that repeat layers; where they do not, its bounded search still reaches the
-    alternating plans the ties forbid (gpt-1024 on 2x4, h100: 7.51 ms predicted against 7.85
-    tied, in no more time). Built before the tied one, which is then built only where this one
-    is too large. None where there are no ties or it has too many nodes."""
+    alternating plans the ties forbid, in no more time (docs/decisions.md, "Two neighbouring
+    axes as one"). Built before the tied one, which is then built only where this one is too
+    large. None where there are no ties or it has too many nodes."""
     if (not any(unit.tie is not None for unit in units)
             or untied_node_count(graph, units, pinned or {}) > UNTIED_NODE_LIMIT):
         return None
@@ -286,8 +286,8 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape, problems
     round) gives a second plan, and all axes taken as one (`merged_within`) a third. The last
     two run in the `narrow` space too (reduce-scatters for weight gradients alone): neither is
     exact, and with every product's reduce-scatters on offer the recursion's early rounds
-    sometimes commit to one that the later rounds pay for (a small GPT on 2x4 with a slow
-    network: 2.52 ms predicted in the full space, 1.05 in the narrow one). On meshes of three
+    sometimes commit to one that the later rounds pay for (docs/decisions.md, "The compiler's
+    fusion, gathers' layout copies and reduce-scatters everywhere"). On meshes of three
     axes or more, bounded elimination also runs with each pair of neighbouring axes taken as
     one (`paired_within`): the smaller space of a mesh of one axis fewer, where it loses less.
     With `shortlist`, where the cheapest of these is over SHORTLIST_GAP above the bound, the
@@ -296,9 +296,9 @@ def _best_within_bound(full: Problem, narrow: Problem, mesh: MeshShape, problems
     bounds says how far from optimal it can be.
 
     Not under a memory price: the price charges the bytes a plan keeps, not its peak, and the
-    shortlists find plans keeping fewer bytes with more temporaries at the peak. Llama-2-7B on
-    (32, 2) within 4.89 GiB found no plan fitting (the leanest estimated at 5.71 GiB) where
-    the searches above fit one (estimated at 4.47 GiB)."""
+    shortlists find plans keeping fewer bytes with more temporaries at the peak, and can miss
+    a plan that fits where the searches above find one (docs/decisions.md, "Plans from the
+    dual")."""
     bounded = search.solve_bounded(full.graph, max_factor_size=BOUNDED_TABLE_LIMIT,
                                    pairs=_kept_pairs(full, problems))
     candidates = [(full, bounded, "full"), (full, rounds_within(full, mesh), "one axis at a time"),
@@ -335,10 +335,8 @@ def _shortlisted_by_dual(full: Problem, problems: dict | None
     """(the dual bound of `full`, its stats, the plan `search.shortlisted` finds from it).
     Min-sum diffusion starts where the last one on these edges stopped (kept in `problems`,
     as `with_dual_bound` keeps it, which goes on from here). On a bounded problem its
-    shortlist finds plans the restrictions above miss: Llama-2-7B (32 layers in one scan) on
-    v5p's (32, 2) was planned at 910.2 ms, one axis at a time, where the shortlists find
-    868.8 against a bound of 867.8 (before the TPU compiler's sums were priced;
-    docs/decisions.md, "Plans from the dual")."""
+    shortlist finds plans the restrictions above miss (docs/decisions.md, "Plans from the
+    dual")."""
     edges = full.graph.edges
     kept = (problems or {}).get("dual")
     start = kept[1] if kept is not None and kept[0] is edges else None
