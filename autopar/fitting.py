@@ -192,8 +192,9 @@ def _scaled(again: _Again, memory_limit: int, scale: float, budgeted: Plan, make
     """The plan for the estimate that, reading `scale` times over XLA's figure as the
     unbudgeted plan's did, fills the limit: kept where it compiles within the limit and is
     predicted faster than the `budgeted` plan: an estimate that reads over XLA's figure makes
-    the budget choose a leaner, slower plan than fits (docs/decisions.md, "At the expert's
-    memory")."""
+    the budget choose a leaner, slower plan than fits (docs/decisions.md, "The compiler's
+    fusion, gathers' layout copies and reduce-scatters everywhere", its part "At the
+    expert's memory")."""
     try:
         decisions, p = again.plan(int(memory_limit * scale))
     except AutoparError:

@@ -221,9 +221,10 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     as one (a one-axis mesh of all the devices), then a round on the whole mesh that keeps
     that answer's placement of all axes but the last and places the last. A first round over
     a small axis finds no split worth the latencies it adds, and later rounds keep its
-    replication (see `merged_within`; a small ResNet on 2x2x2: docs/decisions.md, "Two
-    neighbouring axes as one"). None on a mesh of one axis, or where a pin splits a dimension
-    over some of the axes only (it has no one-axis form)."""
+    replication (see `merged_within`; a small ResNet on 2x2x2: docs/decisions.md,
+    "recursive_programming: all axes as one where the first round splits nothing"). None on a
+    mesh of one axis, or where a pin splits a dimension over some of the axes only (it has no
+    one-axis form)."""
     if len(order) < 2:
         return None
     name = "*".join(order)

@@ -227,9 +227,10 @@ def _untied(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spe
     """The problem without repeated-layer ties, where the step is small enough to search that
     way: where its exact tables fit, the answer is then the optimum over every plan, not only
     those that repeat layers; where they do not, its bounded search still reaches the
-    alternating plans the ties forbid, in no more time (docs/decisions.md, "Two neighbouring
-    axes as one"). Built before the tied one, which is then built only where this one is too
-    large. None where there are no ties or it has too many nodes."""
+    alternating plans the ties forbid, in no more time (docs/decisions.md, "The compiler's
+    fusion, gathers' layout copies and reduce-scatters everywhere"). Built before the tied
+    one, which is then built only where this one is too large. None where there are no ties
+    or it has too many nodes."""
     if (not any(unit.tie is not None for unit in units)
             or untied_node_count(graph, units, pinned or {}) > UNTIED_NODE_LIMIT):
         return None
