@@ -301,8 +301,9 @@ def place(call: Call, shardings: Sequence[NamedSharding], leaves: list[Any] | No
     distributed.place_everywhere).
 
     An array in host memory (the CPU platform's) is sliced from a numpy view of it: from a
-    device array, device_put compiles a slicing program per shape and sharding (a 4-layer
-    GPT's 204 leaves took 1.0 s, from numpy 0.13 s). A donated device array that has to move
+    device array, device_put compiles a slicing program per shape and sharding (several
+    times slower: docs/decisions.md, "Constraints only where XLA's propagation would not keep
+    the plan"). A donated device array that has to move
     is copied first: device_put reuses the caller's buffer for a shard that is the whole
     array (a replicated leaf, such as optax's scalar count), and donating the mesh array would
     then delete the caller's."""

@@ -1,15 +1,13 @@
 """Lowering a loop (a `scan`) under the plan: a while loop whose every value is pinned.
 
 Bound as a `scan`, a loop is pinned only where it starts and ends, and XLA places the rest: the
-carries, each iteration's values, and the buffers the iterations stack their results into. On
-a scanned GPT (8 layers, d_model 1024) planned for 4 nodes of 2 GPUs at 10 GB/s between them,
-XLA split the stacked residuals of the forward loop over the nodes and gathered them after it
-(1 to 2 GiB each): 16,146 MiB of collectives a step where the plan predicted 1,597, judged 1.36
-s against an estimate of 49 ms. Run here as a `while_loop` over the body's own steps, each
-constrained as planned (results too, see `_Lowering.run_step`; reduce-scatters written out as
-in the program), with the carries and the stacking buffers pinned to the plan's specs, that
-step compiles to 929 MiB (1,697 predicted), judged 48 ms (docs/decisions.md, "Loops compiled
-as planned").
+carries, each iteration's values, and the buffers the iterations stack their results into, and
+where its placement differs from the plan (stacked residuals split over slow links, then
+gathered) the compiled step can move ten times the bytes planned. Run here as a `while_loop`
+over the body's own steps, each constrained as planned (results too, see
+`_Lowering.run_step`; reduce-scatters written out as in the program), with the carries and
+the stacking buffers pinned to the plan's specs, the step compiles to what was planned
+(docs/decisions.md, "Loops compiled as planned", has both programs' figures).
 
 A body holding a recomputation (jax.checkpoint inside the loop, the backward loop of an
 nn.scan over nn.remat blocks) is pinned too: each recomputation reads what it takes from

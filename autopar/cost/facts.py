@@ -35,9 +35,9 @@ def value_facts(graph: OpGraph) -> ValueFacts:
     all-reduce combiner merges into one collective: the weight gradients, and the sums only
     the step's results read (the loss). Neither kind waits for another's all-reduce, so a step
     pays one collective's latency for all of them (data parallel gpt-1024 on 8 devices
-    compiles to one all-reduce of 448 MiB for all its gradients and its loss). Each is charged
-    its share of one latency; charged one each, the 37 sums of a small GPT cost 0.18 ms on
-    h100, where the compiled all-reduce takes 0.007 ms, and the search replicated the step.
+    compiles to one all-reduce for all its gradients and its loss). Each is charged its share
+    of one latency; charged one each, a small GPT's sums cost more than its whole step and the
+    search replicated it (docs/decisions.md, "Combined all-reduces, and all axes as one").
     The combiner works within one computation: the sums of a loop body (a microbatch's
     gradients, reduced in each microbatch) share one latency per trip, as the compiled loop
     does (one all-reduce of all of them per microbatch), apart from those outside it; ops

@@ -1,9 +1,8 @@
 """The work of a loop's other trips, read from the optimised HLO.
 
-XLA's `cost_analysis()` counts a while loop's body once, whatever its trip count: a GPT whose
-4 layers run as one `nn.scan` reported 4.65 TFLOP where the same GPT unrolled counts 8.68 (its
-layers counted once of four), and on an H200 it was judged 0.93x of the unrolled GPT's step
-where it ran 1.33x as long (benchmarks/results/device.md).
+XLA's `cost_analysis()` counts a while loop's body once, whatever its trip count, so a scanned
+stack's layers count once of L, and a judge reading it rates a loop faster than its unrolled
+twin where it runs slower (benchmarks/results/device.md; docs/decisions.md, "One real GPU").
 `extra_trips_work` gives what the other trips add, so that a judged loop costs what it runs:
 for every computation XLA runs n > 1 times per step (a loop body, and what it calls, with
 `known_trip_count`; hlo.executions), n - 1 times

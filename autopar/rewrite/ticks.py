@@ -75,9 +75,9 @@ def bubble_cut(x: Any, valid: Any) -> Any:
     """`x` itself, its gradient zero where `valid` is False (a tick of the bubble), whatever
     it is there (a NaN, say). Written as `where(valid, x, stop_gradient(x))`, the forward pass
     makes a new value every tick, and the backward pass keeps each tick's copy of the
-    stage's layers (a 4-stage GPT at d_model 512 held 19 copies, 441 MB a device at 16
-    microbatches against 332 at 8); returned as it came in, the layers stay one loop
-    constant and the loop keeps only `valid` per tick."""
+    stage's layers, its memory growing with the microbatches (docs/decisions.md, "The
+    bubble's guard kept a copy of the layers per tick"); returned as it came in, the layers
+    stay one loop constant and the loop keeps only `valid` per tick."""
     return x
 
 
@@ -119,8 +119,8 @@ def per_stage(x: Any, dim: int = 1) -> Any:
     """`x` with its dimension `dim` (the stages') split over the stage axis, those before it
     whole, and those after it placed by the search: a microbatch's examples (or shares) split
     over 'data' stay so from one tick to the next. (Pinned whole, every tick gathered the
-    stages' outputs over 'data' and shifted them whole: a 2 x 4 pipeline of the pipeline
-    suite moved 2.5x the bytes between stages, judged 1.148 against 0.816 ms.)"""
+    stages' outputs over 'data' and shifted them whole, moving more bytes between stages:
+    docs/decisions.md, "A pipeline's ticks pin the stage dimension alone".)"""
     free = [PartitionSpec.UNCONSTRAINED] * (jnp.ndim(x) - dim - 1)
     return shard(x, PartitionSpec(*[None] * dim, STAGE_AXIS, *free))
 

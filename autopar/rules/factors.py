@@ -182,8 +182,8 @@ def scattered(s: Strategy, rule: Rule, mesh: MeshShape) -> tuple[Strategy, ...]:
     an activation's gradient reaches the token split of the layer below (a mixture of
     experts' combine: the first dimension is the model's, the second the tokens'). The
     scattered axes come after those already on the dimension: a reduce-scatter splits each
-    device's block, and XLA, given the other order, gathers the whole result first (a 512 MiB
-    all-gather of the logits' gradient in the encoder-decoder at d_model 768)."""
+    device's block, and XLA, given the other order, gathers the whole result first
+    (docs/decisions.md, "Where experts won, and the three fixes")."""
     if not s.partial_axes or len(rule.results) != 1:
         return ()
     n = math.prod(mesh.axis_size(a) for a in s.partial_axes)

@@ -319,9 +319,9 @@ def buffered_values(graph: OpGraph, written: Callable[[str, str | None, list[str
 def fused_values(graph: OpGraph) -> frozenset[int]:
     """The values an ideal fuser keeps out of memory that XLA's CPU compiler does too: not
     those value_buffers materialises (read by several fusions, or an activation the backward
-    pass keeps). Charged as fused, the replicated token path of a mixture of experts on 8
-    devices was predicted at 0.82 ms of compute where XLA's program reads 1.26 ms worth of
-    bytes (h100), and the search kept it replicated."""
+    pass keeps). Charged as fused, a value XLA writes and reads again is under-priced, and the
+    search keeps replicated what it should split (a mixture of experts' token path:
+    docs/decisions.md, "Measurements moved out of the planning code")."""
     materialised = value_buffers(graph).materialised
     return frozenset(t for t in fusible_values(graph) if t not in materialised)
 

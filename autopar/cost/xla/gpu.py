@@ -2,9 +2,8 @@
 
 XLA GPU rewrites dots into `__cublas$lt$matmul` / `__cublas$gemm` custom calls and
 convolutions into `__cudnn$conv...` ones, and `cost_analysis()` counts no flops for a custom
-call, nor any bytes. Seen with jax 0.11.2 on an H200 (benchmarks/results/device.md): the
-4-layer d_model-1024 GPT's step reported 0.23 TFLOP where the same program compiled for the
-CPU (dots kept as dots) counts 8.68, so a roofline read from it judged the matrix work free.
+call, nor any bytes, so a roofline read from it judges the matrix work free (seen with jax
+0.11.2 on an H200: benchmarks/results/device.md; docs/decisions.md, "One real GPU").
 `library_work` reads those calls' flops and bytes from the optimised HLO text: 2 x output
 elements x contraction length for a GEMM; 2 x forward-output elements x filter elements per
 output feature for a convolution, whichever of forward, backward-input or backward-filter the
