@@ -34,8 +34,8 @@ class Request:
 
 @dataclass(frozen=True)
 class CompileCheck:
-    """How to check a plan against what XLA compiles (fitting.fitted): `make` turns the
-    decisions and plan into the step to run, `compiled_of` compiles it."""
+    """How to check a plan against what XLA compiles (fitting.fitted): `make` turns a
+    planning's decisions and plan into the step to run, `compiled_of` compiles it."""
 
     make: Make
     compiled_of: Compiled

@@ -205,7 +205,7 @@ class Ask:
 # A search of schedules (planning/schedules.py, microbatches.py): it yields each Ask and is sent
 # the Planned, or the AutoparError planning it raised, and returns the Planned it keeps. The
 # tracing and searching are the caller's (autopar.plan_call), which it does in one place.
-Weighing = Generator[Ask, "Planned | AutoparError", Planned]
+Weighing = Generator[Ask, Planned | AutoparError, Planned]
 
 
 def ask(schedule: Schedule, mesh: MeshShape | int, limit: int | None
