@@ -39,8 +39,10 @@ def launch(args: argparse.Namespace, after: int | None, sig: int, timeout: float
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    # Each process sets its own count of CPU devices; the other XLA flags pass through.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     argv = [sys.executable, __file__, "--port", str(port), "--dir", args.dir, "--out", args.out,
             "--steps", str(args.steps), "--heartbeat", str(args.heartbeat),
             "--step-seconds", str(args.step_seconds)]

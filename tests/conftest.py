@@ -12,10 +12,15 @@ import tempfile
 
 # Tests check what a step computes and what XLA's passes make of it (fusion, buffers,
 # collectives), never how fast the CPU kernels run: LLVM's optimisation of those kernels is
-# skipped, which takes about a quarter off the suite's compile time.
+# skipped, which takes about a quarter off the suite's compile time, and the CPU compiler
+# emits its fusions with its elemental emitters rather than its MLIR fusion emitters, which
+# takes about 40% off what is left (docs/benchmarks-and-tests.md). The emitters decide how a
+# scatter fuses, and so a few hundred bytes of a step's buffers: the tests of the memory
+# estimate against XLA's compile it as users do (XLA_CPU_AS_USERS_HAVE_IT).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+                           " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The test workers of one run share a compilation cache: a program one of them compiled (a
 # single-device reference step, an eager op) is read back by the other, and by a new jit of

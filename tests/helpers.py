@@ -10,6 +10,16 @@ import optax
 
 import autopar
 
+# XLA's CPU compiler as users run it: the suite turns its fusion emitters off to compile
+# faster (conftest.py); a test of the memory estimate against the compiler's own figure
+# compiles with them on, as XLA has them by default.
+XLA_CPU_AS_USERS_HAVE_IT = {"xla_cpu_use_fusion_emitters": True}
+
+
+def compile_as_users_do(lowered):
+    """`lowered` (a jax Lowered) compiled with XLA's CPU defaults."""
+    return lowered.compile(compiler_options=XLA_CPU_AS_USERS_HAVE_IT)
+
 
 def float_leaves(tree):
     return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(tree)

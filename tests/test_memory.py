@@ -12,7 +12,8 @@ import models
 import numpy as np
 import optax
 import pytest
-from helpers import check_against_single_device, copy_tree, global_relative_error
+from helpers import (check_against_single_device, compile_as_users_do, copy_tree,
+                     global_relative_error)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autopar
@@ -35,7 +36,7 @@ def state_leaves(state) -> frozenset[int]:
 
 
 def compiled_bytes(step, state, batch) -> int:
-    return compiled_memory_bytes(step.lower(state, batch).compile())
+    return compiled_memory_bytes(compile_as_users_do(step.lower(state, batch)))
 
 
 def estimate_over_compiled(step, state, batch, mesh, search, annotations) -> float:
@@ -267,10 +268,10 @@ def test_resharding_buffers_follow_the_collectives(reader):
         else:
             def step(x, w):
                 return jnp.exp(jax.lax.with_sharding_constraint(x * 2, to)) + w[0, 0]
-        compiled = jax.jit(step, in_shardings=(NamedSharding(mesh, P(*src)),
-                                               NamedSharding(mesh, P()))).lower(
+        compiled = compile_as_users_do(jax.jit(step, in_shardings=(
+            NamedSharding(mesh, P(*src)), NamedSharding(mesh, P()))).lower(
             jax.ShapeDtypeStruct((1024, 1024), "float32"),
-            jax.ShapeDtypeStruct((1024, 4), "float32")).compile()
+            jax.ShapeDtypeStruct((1024, 4), "float32")))
         temp = compiled.memory_analysis().temp_size_in_bytes
         made, result = reshard_buffers(Tensor(0, (1024, 1024), "float32"),
                                         from_partition_spec(P(*src), 2),
