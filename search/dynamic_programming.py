@@ -38,43 +38,48 @@ from .reduction import Reduced
 
 __all__ = ["solve_dynamic_programming"]
 
-# Entries per slab when minimising a joint table (2 MiB of float64: fits in
-# the L2/L3 cache of common CPUs).
-_SLAB_ENTRIES = 1 << 18
+# Entries of the running sum per slab when minimising over a variable (128 KiB of float64),
+# so that it stays in a core's L2 cache with the running minimum it is compared against.
+_SLAB_ENTRIES = 1 << 14
+# Entries up to which a table is summed whole and minimised at once: most tables are this
+# small, and one numpy call per strategy would cost more than their entries.
+_SMALL_TABLE = 1 << 12
 
 
-def _min_last(
+def _min_first(
     terms: list[np.ndarray], shape: tuple[int, ...], dtype: type
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sum broadcastable ``terms`` to ``shape``; min and argmin over the last axis.
+    """Sum broadcastable ``terms`` to ``shape``; min and argmin over the first axis.
 
-    Large tables are processed in slabs along the first axis through one
-    reused buffer: the sum, argmin and gather then run in cache, which is
-    markedly faster than a few full passes over a table of tens of MB.
+    One strategy of the eliminated variable at a time: its slice of the sum is added up in a
+    buffer and compared elementwise with the running minimum, slab by slab along the second
+    axis. No joint table is built, and no argmin runs along a short axis (numpy takes that
+    row by row). The comparison is strict, so the first minimising strategy wins, as with
+    argmin, and each entry is summed in the order argmin's table was.
     """
-    if len(shape) == 1:  # no neighbours left: a lone vector
-        terms = [t.reshape(1, -1) for t in terms]
-        best, arg = _min_last(terms, (1, shape[0]), dtype)
-        return best.reshape(()), arg.reshape(())
     if len(terms) > 2:
         terms = _absorbed(terms)
-    per_row = math.prod(shape[1:])
-    # A table of one slab skips the slabs' bookkeeping: most tables are small, and numpy's
-    # per-call overhead is most of their cost.
-    if per_row * shape[0] <= _SLAB_ENTRIES:
-        out = _sum_into(np.empty(shape), terms)
-        return _min_rows(out.reshape(-1, shape[-1]), shape[:-1], dtype)
-    step = max(1, _SLAB_ENTRIES // per_row)
-    best = np.empty(shape[:-1])
-    arg = np.empty(shape[:-1], dtype=dtype)
-    buf = np.empty((min(step, shape[0]), *shape[1:]))
-    for lo in range(0, shape[0], step):
-        hi = min(lo + step, shape[0])
-        out = buf[: hi - lo]
-        # Terms with a size-1 first axis broadcast over the slab as they are.
-        _sum_into(out, [t if t.shape[0] == 1 else t[lo:hi] for t in terms])
-        best[lo:hi], arg[lo:hi] = _min_rows(out.reshape(-1, shape[-1]), out.shape[:-1],
-                                            dtype)
+    k, rest = shape[0], shape[1:]
+    if not rest or math.prod(shape) <= _SMALL_TABLE:  # numpy's per-call cost dominates
+        joint = _sum_into(np.empty(shape), terms)
+        arg = joint.argmin(axis=0)
+        return np.take_along_axis(joint, arg[None], axis=0)[0], arg.astype(dtype)
+    best = np.empty(rest)
+    arg = np.zeros(rest, dtype=dtype)
+    step = max(1, _SLAB_ENTRIES // math.prod(rest[1:]))
+    buf = np.empty((min(step, rest[0]), *rest[1:]))
+    mask = np.empty(buf.shape, dtype=bool)
+    for lo in range(0, rest[0], step):
+        hi = min(lo + step, rest[0])
+        low, least, acc, less = best[lo:hi], arg[lo:hi], buf[: hi - lo], mask[: hi - lo]
+        # Terms with a size-1 axis broadcast over it as they are.
+        rows = [t if t.shape[1] == 1 else t[:, lo:hi] for t in terms]
+        for j in range(k):
+            _sum_into(low if j == 0 else acc, [t[j if t.shape[0] > 1 else 0] for t in rows])
+            if j:
+                np.less(acc, low, out=less)
+                np.minimum(low, acc, out=low)
+                np.putmask(least, less, j)
     return best, arg
 
 
@@ -84,14 +89,6 @@ def _sum_into(out: np.ndarray, terms: list[np.ndarray]) -> np.ndarray:
     for t in terms[1:]:
         np.add(out, t, out=out)
     return out
-
-
-def _min_rows(rows: np.ndarray, shape: tuple[int, ...], dtype: type
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Min and argmin of each row of a 2-d table, shaped `shape`. The min is read at the
-    argmin: numpy's min over a short last axis took several times argmin's time."""
-    arg = rows.argmin(axis=1)
-    return rows[np.arange(rows.shape[0]), arg].reshape(shape), arg.astype(dtype).reshape(shape)
 
 
 def _absorbed(terms: list[np.ndarray]) -> list[np.ndarray]:
@@ -203,8 +200,8 @@ class _Factors:
         """Minimise the tables over ``x`` out: the least cost over ``scope`` (a new table,
         or a scalar where the scope is empty) and the minimising strategy of ``x``."""
         size = self.size
-        # x goes last: argmin over a contiguous axis is several times faster.
-        order_vars = (*scope, x)
+        # x goes first: each of its strategies is a contiguous slice (_min_first).
+        order_vars = (x, *scope)
         axes = {w: i for i, w in enumerate(order_vars)}
         shape = tuple(size[w] for w in order_vars)
         terms = []
@@ -219,7 +216,7 @@ class _Factors:
                 if w != x:
                     self.of_var[w].discard(fid)
         dtype = np.uint8 if size[x] <= 256 else np.int32
-        best, arg = _min_last(terms, shape, dtype)
+        best, arg = _min_first(terms, shape, dtype)
         if scope:
             self.add(scope, best)
         for w in scope:

@@ -420,3 +420,23 @@ def test_every_package_folder_is_installed() -> None:
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "autopar").rglob("__init__.py")}
     assert set(config["packages"]) == folders | {"autopar_search"}
     assert config["package-dir"] == {"autopar_search": "search"}
+
+
+@pytest.mark.parametrize("shape", [(3,), (4, 5), (8, 8, 8, 8, 8, 3), (3, 8, 8, 8, 8, 8, 8),
+                                   (5, 7, 300)])
+def test_minimising_over_a_variable_is_the_first_minimum_of_the_summed_table(shape):
+    """Elimination's kernel (one strategy at a time, slab by slab, above a table size) gives
+    the minimum over the first axis of the summed terms and the first strategy reaching it,
+    as argmin of the whole table does: costs drawn from a few integers tie often."""
+    from autopar_search.dynamic_programming import _min_first
+    rng = np.random.default_rng(len(shape))
+    # terms as elimination passes them: broadcastable, each over some of the axes
+    masks = [(1,) * len(shape)] + [tuple(rng.integers(0, 2, len(shape))) for _ in range(4)]
+    terms = [rng.integers(0, 4, [d if m or i == 0 else 1 for i, (d, m) in
+                                 enumerate(zip(shape, mask))]).astype(float)
+             for mask in masks]
+    terms[1][(0,) * len(shape)] = np.inf
+    joint = sum(np.broadcast_to(t, shape) for t in terms)
+    best, arg = _min_first(terms, shape, np.uint8)
+    np.testing.assert_array_equal(best, joint.min(axis=0))
+    np.testing.assert_array_equal(arg, joint.argmin(axis=0))
