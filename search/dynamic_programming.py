@@ -104,8 +104,10 @@ def _absorbed(terms: list[np.ndarray]) -> list[np.ndarray]:
         if host is None:
             hosts.append(k)
             merged[k] = terms[k]
-        else:  # broadcasts to the host's shape: its axes hold all of the term's
+        elif merged[host] is terms[host]:  # a copy first: the host is the caller's table
             merged[host] = merged[host] + terms[k]
+        else:  # broadcasts to the host's shape: its axes hold all of the term's
+            np.add(merged[host], terms[k], out=merged[host])
     return [merged[h] for h in hosts]
 
 
