@@ -146,7 +146,9 @@ def _mini_buckets(graph: CostGraph, size: dict[int, int], self_cost: list[np.nda
         scopes = []
         for members in groups:
             scope = tuple(sorted({w for f in members for w in f[0]} - {x}))
-            best = _table((*scope, x), members, size).min(axis=-1)
+            # x first: numpy's min over the first axis runs over whole rows at once, and
+            # over a short last axis row by row (10 to 20 times slower on tables of 2^21).
+            best = _table((x, *scope), members, size).min(axis=0)
             if scope:
                 add(scope, best)
             else:

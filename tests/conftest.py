@@ -14,9 +14,10 @@ import tempfile
 # collectives), never how fast the CPU kernels run: LLVM's optimisation of those kernels is
 # skipped, which takes about a quarter off the suite's compile time, and the CPU compiler
 # emits its fusions with its elemental emitters rather than its MLIR fusion emitters, which
-# takes about 40% off what is left (docs/benchmarks-and-tests.md). The emitters decide how a
-# scatter fuses, and so a few hundred bytes of a step's buffers: the tests of the memory
-# estimate against XLA's compile it as users do (XLA_CPU_AS_USERS_HAVE_IT).
+# takes about half off what is left (docs/decisions.md, "Where the suite's time goes"). The
+# emitters decide how a scatter fuses, and so a few hundred bytes of a step's buffers: the
+# tests of the memory estimate against XLA's figure compile as users do
+# (helpers.compile_as_users_do).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0"
