@@ -18,7 +18,7 @@ run: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/gpt.py
 
 # Test processes at once: the suite is mostly XLA compiles and planning, one core each; on CI's
-# 2 cores, two workers (sharing one compilation cache, tests/conftest.py) take 14 to 16 minutes
+# 2 cores, two workers (sharing one compilation cache, tests/conftest.py) take 12 to 16 minutes
 # (the target is 10: docs/decisions.md, "Where the suite's time goes").
 TEST_WORKERS ?= 2
 

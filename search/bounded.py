@@ -147,7 +147,8 @@ def _mini_buckets(graph: CostGraph, size: dict[int, int], self_cost: list[np.nda
         for members in groups:
             scope = tuple(sorted({w for f in members for w in f[0]} - {x}))
             # x first: numpy's min over the first axis runs over whole rows at once, and
-            # over a short last axis row by row (10 to 20 times slower on tables of 2^21).
+            # over a short last axis row by row, many times slower (docs/decisions.md,
+            # "Elimination minimises over a variable one strategy at a time").
             best = _table((x, *scope), members, size).min(axis=0)
             if scope:
                 add(scope, best)

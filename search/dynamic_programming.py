@@ -38,8 +38,8 @@ from .reduction import Reduced
 
 __all__ = ["solve_dynamic_programming"]
 
-# Entries of the running sum per slab when minimising over a variable (128 KiB of float64),
-# so that it stays in a core's L2 cache with the running minimum it is compared against.
+# Entries of the running sum per slab when minimising over a variable: 128 KiB of float64,
+# sized for a core's L2 cache with the running minimum it is compared against beside it.
 _SLAB_ENTRIES = 1 << 14
 # Entries up to which a table is summed whole and minimised at once: most tables are this
 # small, and one numpy call per strategy would cost more than their entries.

@@ -15,8 +15,8 @@ import tempfile
 # skipped, which takes about a quarter off the suite's compile time, and the CPU compiler
 # emits its fusions with its elemental emitters rather than its MLIR fusion emitters, which
 # takes about half off what is left (docs/decisions.md, "Where the suite's time goes"). The
-# emitters decide how a scatter fuses, and so a few hundred bytes of a step's buffers: the
-# tests of the memory estimate against XLA's figure compile as users do
+# emitters decide how scatters are compiled and fused, and so some of a step's buffers: the
+# tests of the CPU buffer model against XLA's program and figure compile as users do
 # (helpers.compile_as_users_do).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"

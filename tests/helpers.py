@@ -11,8 +11,8 @@ import optax
 import autopar
 
 # XLA's CPU compiler as users run it: the suite turns its fusion emitters off to compile
-# faster (conftest.py); a test of the memory estimate against the compiler's own figure
-# compiles with them on, as XLA has them by default.
+# faster (conftest.py); a test of the CPU buffer model against the compiler's program or its
+# own memory figure compiles with them on, as XLA has them by default.
 XLA_CPU_AS_USERS_HAVE_IT = {"xla_cpu_use_fusion_emitters": True}
 
 

@@ -176,7 +176,8 @@ def test_dot_operands_are_transposed_where_xla_transposes_them(lhs, rhs, contrac
 
     from autopar.cost.xla.cpu import dot_transposes
     dot = jax.jit(lambda x, w: lax.dot_general(x, w, (contracting, ((), ()))))
-    text = dot.lower(np.zeros(lhs, np.float32), np.zeros(rhs, np.float32)).compile().as_text()
+    text = compile_as_users_do(dot.lower(np.zeros(lhs, np.float32),
+                                         np.zeros(rhs, np.float32))).as_text()
     copies = len(re.findall(r"fusion\(.*kind=kLoop", text[text.index("ENTRY"):]))
     assert dot_transposes((contracting, ((), ())), [lhs, rhs]) == transposed
     assert copies == len(transposed), text
@@ -201,7 +202,7 @@ def test_donated_state_is_copied_where_its_update_may_run_before_its_readers():
     groups = all_reduce_groups(graph, all_reduce_steps(graph, decisions, mesh_shape(axes)))
     predicted = {graph.inputs.index(t) for t in copied_before_update(graph, aliased, groups)}
     sharded = autopar.auto_parallel(step, donate_argnums=0, mesh=autopar.make_mesh(axes), plan=plan)
-    text = sharded.lower(state, batch).compile().as_text()
+    text = compile_as_users_do(sharded.lower(state, batch)).as_text()
     entry = text[text.index("ENTRY"):]
     argument = dict(re.findall(r"(%param[.\d]*) = \S+ parameter\((\d+)\)", entry))
     copied = {int(argument[p]) for p in re.findall(r"= \S+ copy\((%param[.\d]*)\)", entry)}
