@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import models
+import numpy as np
 import optax
 import pytest
 from helpers import check_against_single_device
@@ -14,6 +15,7 @@ import autopar
 from autopar.cost.hardware import get_profile
 from autopar.cost.hlo import collective_counts
 from autopar.mesh import mesh_shape
+from autopar.planning import problem as problem_module
 from autopar.planning import solve
 from autopar.planning.problem import build_problem, make_units
 from autopar.trace.layers import TIED_SPACE, instance_classes
@@ -200,3 +202,37 @@ def test_search_grows_with_distinct_layers_not_depth():
         graph, _, _ = trace(step, (state, batch))
         nodes.append(len(build_problem(graph, mesh_shape({"data": 8}), hw).roots))
     assert nodes[0] < nodes[1] == nodes[2], nodes
+
+
+def _priced(problem, graph, mesh) -> tuple[list, dict, list]:
+    """A problem's node costs, its edges summed per pair of nodes, and its kept bytes."""
+    edges: dict = {}
+    for a, b, matrix in problem.graph.edges:
+        edges[(a, b)] = edges.get((a, b), 0) + matrix
+    return list(problem.graph.node_costs), edges, problem.kept(graph, mesh)
+
+
+def test_a_stack_is_priced_a_few_layers_worth_and_as_unit_by_unit(monkeypatch):
+    """A build prices once the units that are alike and take the same strategies from makers
+    that do: a layer amid others (layer 3 of 6: its forward pass reads a layer like the one
+    layer 1 reads, its backward pass one like layer 0's) costs nothing more to price, and the
+    problem is the one priced unit by unit."""
+    hw, mesh = get_profile("cpu"), mesh_shape({"data": 2, "model": 4})
+    step, state, batch = models.gpt_abstract(batch=8, seq=16, layers=6)
+    graph, _, _ = trace(step, (state, batch))
+    problem = build_problem(graph, mesh, hw)
+    middle = [u for u, unit in enumerate(problem.units)
+              if unit.op is not None and unit.op.scope.startswith("GPT/block_3/")]
+    assert middle and not any(problem.times[u] for u in middle)
+    assert sum(1 for n in problem.times if n) < len(problem.units) / 2
+
+    monkeypatch.setattr(problem_module, "repeats", lambda units, *_: [1] * len(units))
+    one_by_one = build_problem(graph, mesh, hw)
+    assert one_by_one.node_of == problem.node_of and max(one_by_one.times) == 1
+    (costs, edges, kept), (costs1, edges1, kept1) = (_priced(p, graph, mesh)
+                                                     for p in (problem, one_by_one))
+    for mine, theirs in zip(costs + kept, costs1 + kept1):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-12)
+    assert edges.keys() == edges1.keys()
+    for pair, matrix in edges.items():
+        np.testing.assert_allclose(matrix, edges1[pair], rtol=1e-12)

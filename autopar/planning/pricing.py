@@ -30,14 +30,21 @@ class Unit:
     cost_key: tuple = ()  # cost.model.op_signature of the op
     tie: int | None = None  # the unit whose strategies it takes (layers.repeated_ties)
     main: int | None = None  # the operand it follows (main_operand); None: it decides
+    # Per operand, the unit that makes it (None: a constant, or made by no unit)
+    makers: tuple[int | None, ...] = ()
+    # Units of one `alike` cost the same and reshard their operands alike wherever they take
+    # the same strategies and their operands' makers do (problem.alike_units)
+    alike: int = -1
 
 
 def resharding_edges(graph: OpGraph, units: list[Unit],
                      producer: dict[int, tuple[int, int]], node_of: list[int],
                      choices: list[list[Strategy]], reshard: Resharding,
-                     node_costs: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
+                     node_costs: list[np.ndarray], times: list[int]
+                     ) -> list[tuple[int, int, np.ndarray]]:
     """The edges that charge each operand's resharding from its producer's spec to what its
-    user needs; a resharding inside one node is added to `node_costs` instead."""
+    user needs, for each user `times` over (problem.repeats); a resharding inside one node is
+    added to `node_costs` instead."""
     edges: list[tuple[int, int, np.ndarray]] = []
 
     def connect(t: int, src: tuple[int, str, int], dst: tuple[int, str, int], scale: float):
@@ -57,11 +64,13 @@ def resharding_edges(graph: OpGraph, units: list[Unit],
             edges.append((a, b, matrix))
 
     for u, unit in enumerate(units):
+        if not times[u]:
+            continue
         for i, t in enumerate(unit.inputs):
             if graph.tensors[t].const or t not in producer:
                 continue
             p, k = producer[t]
-            connect(t, (p, "out", k), (u, "in", i), unit.op.operand_repeat(i) if unit.op else 1)
+            connect(t, (p, "out", k), (u, "in", i), times[u] * unit.op.operand_repeat(i))
     # The state a step returns is the next step's input: its sharding should not change.
     for out_index, in_index in graph.state_pairs.items():
         t_out, t_in = graph.outputs[out_index], graph.inputs[in_index]

@@ -67,6 +67,7 @@ class Problem:
     choices: list[list[Strategy]]  # unit -> its strategy for each strategy of its node
     producer: dict[int, tuple[int, int]]  # tensor -> (unit, output index)
     roots: list[int]  # node -> the unit that defines it
+    times: list[int]  # unit -> how many units it is priced for (`repeats`)
 
     memory: list[np.ndarray] | None = None  # node -> bytes it keeps per device, per strategy
 
@@ -85,7 +86,7 @@ class Problem:
         activations and gradients (memory.kept_bytes of a whole plan is their sum)."""
         if self.memory is None:
             self.memory = _memory_bytes(graph, self.units, self.choices, self.node_of,
-                                        canonical(mesh), self.roots)
+                                        canonical(mesh), self.roots, self.times)
         return self.memory
 
     def decode(self, choice: np.ndarray) -> list[Strategy]:
@@ -133,8 +134,50 @@ def make_units(graph: OpGraph) -> list[Unit]:
                       f"({len(sources)} use(s), at {where}); it runs replicated.",
                       AutoparWarning, stacklevel=4)
     ties = repeated_ties(graph, units)
-    return [dataclasses.replace(unit, tie=ties[u]) if u in ties else unit
-            for u, unit in enumerate(units)]
+    return alike_units(graph, [dataclasses.replace(unit, tie=ties[u]) if u in ties else unit
+                               for u, unit in enumerate(units)])
+
+
+def alike_units(graph: OpGraph, units: list[Unit]) -> list[Unit]:
+    """`units` with their operands' makers and a number shared by the units that are alike
+    in all a build prices of them but their strategies and their operands' makers: cost
+    signature, results' shapes and roles, and each operand's shape, output index and reads.
+    (The same operator of two instances of a layer is alike; so are most of an optimizer's
+    updates of equal parameters.) A build prices one unit of those that are alike and take
+    the same strategies from makers that do, once for all of them (`repeats`)."""
+    producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
+    kept = roles(graph)
+    kinds: dict[tuple, int] = {}
+    done = []
+    for u, unit in enumerate(units):
+        makers, operands = [], []
+        for i, t in enumerate(unit.inputs):
+            tensor = graph.tensors[t]
+            made = None if tensor.const else producer.get(t)
+            makers.append(None if made is None else made[0])
+            operands.append(None if made is None else (
+                made[1], tensor.shape, tensor.dtype, unit.op.operand_repeat(i)))
+        results = tuple((graph.tensors[t].shape, graph.tensors[t].dtype,
+                         t in kept and not graph.tensors[t].const) for t in unit.outputs)
+        kind = (unit.cost_key, results, tuple(operands))
+        done.append(dataclasses.replace(unit, makers=tuple(makers),
+                                        alike=kinds.setdefault(kind, len(kinds))))
+    return done
+
+
+def repeats(units: list[Unit], node_of: list[int], choices: list[list[Strategy]]
+            ) -> list[int]:
+    """Per unit, how many units a build prices it for: the first of the units alike
+    (`alike_units`) that take the same node and strategy list, whose operands' makers do too,
+    stands for all of them, and the others for none. Such units cost the same and reshard
+    their operands alike, so a stack of equal layers is priced a few layers' worth."""
+    first: dict[tuple, int] = {}
+    times = [0] * len(units)
+    for u, unit in enumerate(units):
+        key = (unit.alike, node_of[u], id(choices[u]),
+               *[None if m is None else (node_of[m], id(choices[m])) for m in unit.makers])
+        times[first.setdefault(key, u)] += 1
+    return times
 
 
 def _input_rule(tensor: Tensor) -> Rule:
@@ -192,18 +235,20 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     op_costs, reshard = ({}, Resharding(mesh, hw)) if memo is None else memo.setdefault(
         ("pricing", mesh, hw), ({}, Resharding(mesh, hw)))
 
+    times = repeats(units, node_of, choices)
     node_costs = [np.zeros(len(choices[r])) for r in roots]
     for u, unit in enumerate(units):
-        if unit.op is not None:
-            node_costs[node_of[u]] += unit_costs(unit, choices[u], graph, mesh, hw,
-                                                 op_costs)
+        if unit.op is not None and times[u]:
+            seconds = unit_costs(unit, choices[u], graph, mesh, hw, op_costs)
+            node_costs[node_of[u]] += seconds if times[u] == 1 else times[u] * seconds
 
-    edges = resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs)
+    edges = resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs,
+                             times)
     edges += summed_edges(graph, units, producer, node_of, choices, mesh, hw, op_costs,
                           node_costs)
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
-    return Problem(cost_graph, units, node_of, choices, producer, roots)
+    return Problem(cost_graph, units, node_of, choices, producer, roots, times)
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
@@ -224,6 +269,7 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     choices: list[list[Strategy]] = []
     roots: list[int] = []
     derived: dict[tuple, list[Strategy]] = {}
+    lists: dict[tuple[Strategy, ...], list[Strategy]] = {}
     for u, unit in enumerate(units):
         main = unit.main
         source = producer.get(unit.inputs[main]) if main is not None else None
@@ -240,8 +286,10 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
             node_of.append(node_of[src_unit])
             key = (unit.rule, main, id(choices[src_unit]), k)
             if key not in derived:  # a repeated layer's followers share their producers' list
-                derived[key] = [follow(unit.rule, mesh, main, s.out_specs[k])
-                                for s in choices[src_unit]]
+                made = [follow(unit.rule, mesh, main, s.out_specs[k]) for s in choices[src_unit]]
+                # one list of each content: a residual stream's adds, each following the
+                # one before, then share theirs, and so do the layers that read them
+                derived[key] = lists.setdefault(tuple(made), made)
             choices.append(derived[key])
         elif u in same_layer and not set(units[same_layer[u]].outputs[:1]) & pinned.keys():
             node_of.append(node_of[same_layer[u]])
@@ -287,14 +335,18 @@ def pinned_strategies(rule: Rule, mesh: MeshShape, spec: Spec) -> list[Strategy]
 
 
 def _memory_bytes(graph: OpGraph, units: list[Unit], choices: list[list[Strategy]],
-                  node_of: list[int], mesh: MeshShape, roots: list[int]) -> list[np.ndarray]:
+                  node_of: list[int], mesh: MeshShape, roots: list[int], times: list[int]
+                  ) -> list[np.ndarray]:
     """Per node and strategy, the bytes per device of the tensors that make up most of a
-    training step's peak (inputs, activations, gradients: `memory.roles`) its units produce."""
+    training step's peak (inputs, activations, gradients: `memory.roles`) its units produce,
+    each unit `times` over."""
     kept = roles(graph)
     total = [np.zeros(len(choices[r])) for r in roots]
     for u, unit in enumerate(units):
+        if not times[u]:
+            continue
         for k, t in enumerate(unit.outputs):
             if t in kept and not graph.tensors[t].const:
-                total[node_of[u]] += [shard_bytes(graph.tensors[t], s.out_specs[k], mesh)
-                                      for s in choices[u]]
+                held = [shard_bytes(graph.tensors[t], s.out_specs[k], mesh) for s in choices[u]]
+                total[node_of[u]] += held if times[u] == 1 else times[u] * np.array(held)
     return total
