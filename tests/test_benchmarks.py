@@ -8,10 +8,11 @@ def test_planning_benchmark_smoke():
     row = planning.plan_case(layers=1, devices=8, search="recursive_programming", d_model=64,
                              seq=8, batch=16)
     assert row["ops"] > 0 and row["total_s"] >= row["search_s"] > 0
+    assert row["trace_s"] >= row["jax_trace_s"] > 0  # JAX's own trace, inside autopar's
     dp = planning.plan_case(layers=1, devices=8, search="dynamic_programming", d_model=64,
                             seq=8, batch=16)
     table = planning.markdown({"planning": [row, dp], "first_call": []})
-    assert "| 1 | 8 | recursive_programming |" in table
+    assert "| 1 | 8 | recursive_programming |" in table and "| JAX trace s |" in table
 
 
 @pytest.mark.slow
