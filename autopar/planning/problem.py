@@ -133,18 +133,17 @@ def make_units(graph: OpGraph) -> list[Unit]:
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
                       f"({len(sources)} use(s), at {where}); it runs replicated.",
                       AutoparWarning, stacklevel=4)
-    ties = repeated_ties(graph, units)
-    return alike_units(graph, [dataclasses.replace(unit, tie=ties[u]) if u in ties else unit
-                               for u, unit in enumerate(units)])
+    return alike_units(graph, units, repeated_ties(graph, units))
 
 
-def alike_units(graph: OpGraph, units: list[Unit]) -> list[Unit]:
-    """`units` with their operands' makers and a number shared by the units that are alike
-    in all a build prices of them but their strategies and their operands' makers: cost
-    signature, results' shapes and roles, and each operand's shape, output index and reads.
-    (The same operator of two instances of a layer is alike; so are most of an optimizer's
-    updates of equal parameters.) A build prices one unit of those that are alike and take
-    the same strategies from makers that do, once for all of them (`repeats`)."""
+def alike_units(graph: OpGraph, units: list[Unit], ties: dict[int, int]) -> list[Unit]:
+    """`units` with their `ties` (layers.repeated_ties), their operands' makers, and a
+    number shared by the units alike in all a build prices of them but their strategies and
+    their operands' makers: cost signature, results' shapes and roles, and each operand's
+    shape, output index and reads. (The same operator of two instances of a layer is alike;
+    so are most of an optimizer's updates of equal parameters.) A build prices one unit of
+    those that are alike and take the same strategies from makers that do, once for all of
+    them (`repeats`)."""
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     kept = roles(graph)
     kinds: dict[tuple, int] = {}
@@ -160,7 +159,7 @@ def alike_units(graph: OpGraph, units: list[Unit]) -> list[Unit]:
         results = tuple((graph.tensors[t].shape, graph.tensors[t].dtype,
                          t in kept and not graph.tensors[t].const) for t in unit.outputs)
         kind = (unit.cost_key, results, tuple(operands))
-        done.append(dataclasses.replace(unit, makers=tuple(makers),
+        done.append(dataclasses.replace(unit, tie=ties.get(u), makers=tuple(makers),
                                         alike=kinds.setdefault(kind, len(kinds))))
     return done
 
