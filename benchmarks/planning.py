@@ -136,7 +136,7 @@ def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: in
     first_calls = [first_call_case(b, hardware=hw) for hw in (None, "h100")
                    for b in ("dynamic_programming", "recursive_programming")]
     return {"planning": rows, "first_call": first_calls, "restart": restart.run(log),
-            "targets": planning_targets.run(log)}
+            "targets": planning_targets.run(log), "deep": planning_targets.run_deep(log)}
 
 
 def _own(row: dict[str, Any]) -> float:
@@ -221,4 +221,6 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", restart.markdown(result["restart"])]
     if result.get("targets"):
         lines += ["", planning_targets.markdown(result["targets"])]
+    if result.get("deep"):
+        lines += ["", planning_targets.deep_markdown(result["deep"])]
     return "\n".join(lines)

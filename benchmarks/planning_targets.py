@@ -9,12 +9,14 @@ and recursive_programming within 5 s.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from typing import Any, Iterator
 
 import jax
 
 import autopar
+import models
 from benchmarks import tpu_models
 
 # jax.monitoring's event for a top-level trace to a jaxpr (jax/_src/dispatch.py)
@@ -58,6 +60,25 @@ def case(form: str, mesh: str, search: str) -> dict[str, Any]:
             "gap": s.get("gap"), "exact": s.get("exact"), "bound": s.get("bound", "")}
 
 
+def deep_case(layers: int) -> dict[str, Any]:
+    """A GPT at d_model 2,048 with a 32k vocabulary and adamw (batch 1,024 of 256 tokens, its
+    layers a Python loop), planned by recursive_programming for 1,024 h100s as 64 x 16 within
+    16 GiB each. Targets: 10 s at 96 layers, and at most 3x the 12-layer time."""
+    step, state, data = models.gpt_abstract(batch=1024, seq=256, vocab=32768, d_model=2048,
+                                            heads=32, layers=layers)
+    with jax_tracing() as traced:
+        t0 = time.perf_counter()
+        plan = autopar.plan(step, state, data, mesh={"data": 64, "model": 16},
+                            search="recursive_programming", hardware="h100",
+                            memory_limit="16GiB")
+        total = time.perf_counter() - t0
+    s = plan.search_stats
+    return {"layers": layers, "total_s": total, "jax_trace_s": sum(traced),
+            "searches": s.get("memory_solves", 1), "ops": s["ops"],
+            "plan_ms": plan.cost["total_s"] * 1e3,
+            "peak_gib": plan.cost["peak_memory_bytes"] / 2**30, "gap": s.get("gap")}
+
+
 def run(log: Any = print) -> list[dict[str, Any]]:
     rows = []
     for form in ("nn.scan", "Python loop"):
@@ -84,4 +105,36 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"{within} | {r.get('jax_trace_s', float('nan')):.1f} | "
                      f"{r['trace_s']:.1f} | {r['searches']} | {r['ops']} | "
                      f"{r['plan_ms']:.1f} | {r['peak_gib']:.1f} | {gap} |")
+    return "\n".join(lines)
+
+
+DEEP_LAYERS = (12, 96)
+
+
+def run_deep(log: Any = print) -> list[dict[str, Any]]:
+    rows = []
+    for layers in DEEP_LAYERS:
+        rows.append(row := deep_case(layers))
+        log(f"  GPT d 2048, {layers:3d} layers, 64x16 within 16 GiB: {row['total_s']:6.1f} s "
+            f"(JAX's trace {row['jax_trace_s']:.1f} s), plan {row['plan_ms']:.1f} ms")
+    return rows
+
+
+def deep_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["## A deep GPT on 1,024 devices within 16 GiB", "", inspect.cleandoc(deep_case.__doc__), "",
+             "| layers | total s | JAX trace s | autopar s | searches | ops | plan ms/step | "
+             "peak GiB | gap to the bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = f"{r['gap']:.2%}" if r["gap"] is not None else "none"
+        lines.append(f"| {r['layers']} | {r['total_s']:.1f} | {r['jax_trace_s']:.1f} | "
+                     f"{r['total_s'] - r['jax_trace_s']:.1f} | {r['searches']} | {r['ops']} | "
+                     f"{r['plan_ms']:.1f} | {r['peak_gib']:.1f} | {gap} |")
+    if len(rows) > 1:
+        deep, shallow = rows[-1], rows[0]
+        own = [r["total_s"] - r["jax_trace_s"] for r in (deep, shallow)]
+        lines += ["", f"{deep['layers']} layers over {shallow['layers']}: total "
+                  f"{deep['total_s'] / shallow['total_s']:.2f}x (target 3x), JAX's trace "
+                  f"{deep['jax_trace_s'] / shallow['jax_trace_s']:.2f}x, autopar's own "
+                  f"{own[0] / own[1]:.2f}x; {deep['layers']} layers within 10 s: "
+                  f"{'yes' if deep['total_s'] <= 10 else 'no'}"]
     return "\n".join(lines)
