@@ -1,4 +1,5 @@
-"""Planning a Llama-3-8B-class train step for 256 chips: time, plan and bound per search.
+"""The planning targets, time, plan and bound per search: a Llama-3-8B-class train step for
+256 chips (below), and a deep GPT for 1,024 devices within 16 GiB (`deep_case`).
 
 The decoder of `tpu_models.llama("llama3-8b")` (32 layers, d_model 4096, grouped-query
 attention, SwiGLU, vocabulary 128,256, adamw; batch 256 of 4,096 tokens) with its layers as
