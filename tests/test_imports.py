@@ -9,7 +9,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "autopar"
 # Lower phases first; a module of one imports only modules of its phase or one below it. The
 # API's modules above them (api, planner, stepper, applying, fitting, the plan's views, the
 # plan cache, checkpoints) are not ordered among themselves.
-PHASES = (("autopar.errors", "autopar.mesh", "autopar.progress"), ("autopar.trace",),
+PHASES = (("autopar.errors", "autopar.mesh", "autopar.progress", "autopar.collector"),
+          ("autopar.trace",),
           ("autopar.rules",), ("autopar.primitives",),
           ("autopar.decisions", "autopar.schedule", "autopar.plan_stats"),
           ("autopar.cost",),

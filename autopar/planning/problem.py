@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 import autopar_search as search
+from autopar.collector import paused
 from autopar.cost.facts import op_signatures, weight_gradients
 from autopar.cost.hardware import Hardware
 from autopar.cost.model import shard_bytes
@@ -224,6 +225,13 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     space, the tied and untied problems and every round of the recursion share most of them.
     The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
+    with paused():  # its tables and strategy lists outlive it, in no cycle
+        return _built(graph, mesh, hw, pinned, extend, tie_layers, units, narrow, memo)
+
+
+def _built(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec] | None,
+           extend: Extension | None, tie_layers: bool, units: list[Unit] | None,
+           narrow: bool, memo: dict | None) -> Problem:
     units = make_units(graph) if units is None else units
     mesh = canonical(mesh)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
