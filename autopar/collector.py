@@ -6,8 +6,8 @@ collection scans the whole heap: JAX's own state, the user's model and arrays, e
 alive before planning began, none of which planning can free: on the example's step about a
 quarter of planning and lowering went to the collector (docs/decisions.md, "Planning
 overhead"). With the older objects set aside, it scans only what planning made. Cycles among
-the objects planning makes are still collected as usual, but while a problem is built
-(`paused`), whose tables and strategy lists outlive the build and form no cycle.
+the objects planning makes are still collected as usual, after a problem is built: during the
+build (`paused`) none runs, as its tables and strategy lists outlive it.
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def young_objects_only() -> Iterator[None]:
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """Within the block, no collection runs: for work that makes many objects which outlive
-    it and form no cycles (a problem's cost tables, the spec pairs priced for them), where
-    each collection would walk all that planning holds and free nothing."""
+    """Within the block (or the function it decorates), no collection runs: for work that
+    makes many objects which outlive it (a problem's cost tables, the spec pairs priced for
+    them), where each collection would walk all that planning holds and free little. Cycles
+    made within are collected by the next collection after it."""
     if not gc.isenabled():
         yield
         return

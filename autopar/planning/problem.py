@@ -140,11 +140,11 @@ def make_units(graph: OpGraph) -> list[Unit]:
 def alike_units(graph: OpGraph, units: list[Unit], ties: dict[int, int]) -> list[Unit]:
     """`units` with their `ties` (layers.repeated_ties), their operands' makers, and a
     number shared by the units alike in all a build prices of them but their strategies and
-    their operands' makers: cost signature, results' shapes and roles, and each operand's
-    shape, output index and reads. (The same operator of two instances of a layer is alike;
-    so are most of an optimizer's updates of equal parameters.) A build prices one unit of
-    those that are alike and take the same strategies from makers that do, once for all of
-    them (`repeats`)."""
+    their operands' makers: cost signature, results' shapes, dtypes and roles, and each
+    operand's shape, dtype, output index and reads. (The same operator of two instances of a
+    layer is alike; so are most of an optimizer's updates of equal parameters.) A build
+    prices one unit of those that are alike and take the same strategies from makers that
+    do, once for all of them (`repeats`)."""
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     kept = roles(graph)
     kinds: dict[tuple, int] = {}
@@ -204,6 +204,7 @@ def main_operand(rule: Rule, op: Op, graph: OpGraph) -> int | None:
     return main
 
 
+@paused()  # its tables and strategy lists outlive it: a collection would free little
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
                   tie_layers: bool = True, units: list[Unit] | None = None,
@@ -225,13 +226,6 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     space, the tied and untied problems and every round of the recursion share most of them.
     The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
-    with paused():  # its tables and strategy lists outlive it, in no cycle
-        return _built(graph, mesh, hw, pinned, extend, tie_layers, units, narrow, memo)
-
-
-def _built(graph: OpGraph, mesh: MeshShape, hw: Hardware, pinned: dict[int, Spec] | None,
-           extend: Extension | None, tie_layers: bool, units: list[Unit] | None,
-           narrow: bool, memo: dict | None) -> Problem:
     units = make_units(graph) if units is None else units
     mesh = canonical(mesh)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
