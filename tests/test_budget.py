@@ -1,5 +1,6 @@
 """planning.budget.plan_within with the search replaced by a table: (time, peak) per memory
 price, as the mixture of experts on 8 x 8 v5p chips within 2.91 GiB planned them."""
+import math
 from types import SimpleNamespace
 
 from autopar.planning import budget
@@ -43,3 +44,33 @@ def test_prices_below_the_first_are_tried_where_it_does_not_fit():
     assert chosen.decisions == (77.0, 2.65)
     assert chosen.stats["memory_price_s_per_byte"] < start
     assert [p for p in asked if 0 < p < start] == [start / 8, start / 64, start / 512]
+
+
+def test_where_prices_stall_layers_are_recomputed_before_the_plan_slows_down(monkeypatch):
+    """A deep model's activations: rising prices buy no memory past the first (the peak
+    stays over the limit) and only a price 8**6 higher fits, at three times the time. The
+    budget stops raising where the peak stalls, recomputes layers, and keeps the faster plan
+    that fits with them; the plain prices are not raised further, as their plans are already
+    slower."""
+    monkeypatch.setattr(budget, "_layers_to_recompute", lambda *args: frozenset({7}))
+    start = 580e-3 / (78.9 * GB)
+    asked = []
+
+    def attempt(price: float, recompute: frozenset, cap) -> Candidate:
+        asked.append((price, bool(recompute)))
+        if price == 0:
+            return candidate(580.0, 78.9)
+        if recompute:
+            return candidate(880.0, 15.9) if price >= 4 * start else candidate(724.0, 30.8)
+        if price >= 8**6 * start:
+            return candidate(2900.0, 15.5)
+        if price < 4 * start:
+            return candidate(722.0, 33.2)
+        return candidate(870.0 + 10 * math.log(price / start, 8), 18.3)  # 880 ms at 8x
+    chosen = budget.plan_within(attempt, None, None, int(16 * GB), None)
+    assert chosen.decisions == (880.0, 15.9)
+    plain = [p for p, recomputed in asked if p > 0 and not recomputed]
+    assert plain == [start, 8 * start, 64 * start]  # stalled at the third: 18.3 after 18.3
+    recomputed = [p for p, recomputed in asked if recomputed]
+    assert recomputed[0] == 8 * start  # from the price of the leanest plan (the first)
+    assert chosen.stats["memory_solves"] == len(asked)

@@ -143,32 +143,38 @@ class _Walk:
         stack = [t]
         while stack:
             for r in self.readers.get(stack.pop(), ()):
-                out.add(r)
-                stack += [o for o in self.graph.program[r].outputs if o not in self.materialised]
+                if r not in out:  # fused values meet again downstream: walk each reader once
+                    out.add(r)
+                    stack += [o for o in self.graph.program[r].outputs
+                              if o not in self.materialised]
         return out
 
     def values(self) -> list[Buffer]:
         """The buffers of the program's own values. A recomputed value read by the backward
         pass is two buffers: the forward pass's, and its recomputation's."""
-        when = self.when
+        when, last, layer_at, needed = self.when, self.last, self.layer_at, self.needed
         whole_until = self._whole_until()
         out = []
         for t in self.materialised - set(self.graph.outputs):
-            start, rs = when[self.producer_step[t]], self.readers.get(t, ())
-            kind = self.kind.get(t, "temporaries")
-            own = self.layer_at.get(self.producer_step[t])
-            read_again = max([self.needed.get(self.layer_at[r], 0) for r in rs
-                              if r in self.layer_at and self.layer_at[r] != own], default=0)
-            used = self.uses(t) if own is not None else set()
-            if any(r in self.backward for r in used):
-                fwd = [when[r] for r in used if r not in self.backward]
+            made = self.producer_step[t]
+            start, kind = when[made], self.kind.get(t, "temporaries")
+            own = layer_at.get(made)
+            read_again = max([needed.get(layer_at[r], 0) for r in self.readers.get(t, ())
+                              if r in layer_at and layer_at[r] != own], default=0
+                             ) if layer_at else 0
+            if own is not None:
+                used = self.uses(t)
                 bwd = [when[r] for r in used if r in self.backward]
-                out.append(Buffer(start, max(fwd + [start, read_again]), kind, self.size(t), t))
-                again = min(self.needed.get(own, min(bwd)), min(bwd))
-                out.append(Buffer(again, max(bwd), "temporaries", self.size(t), t, "recomputed"))
-            else:
-                end = max(whole_until.get(t, self.last[t]), read_again)
-                out.append(Buffer(start, end, kind, self.size(t), t))
+                if bwd:
+                    fwd = [when[r] for r in used if r not in self.backward]
+                    out.append(Buffer(start, max(fwd + [start, read_again]), kind, self.size(t),
+                                      t))
+                    again = min(needed.get(own, min(bwd)), min(bwd))
+                    out.append(Buffer(again, max(bwd), "temporaries", self.size(t), t,
+                                      "recomputed"))
+                    continue
+            end = max(whole_until.get(t, last[t]), read_again)
+            out.append(Buffer(start, end, kind, self.size(t), t))
         return out
 
     @functools.cached_property

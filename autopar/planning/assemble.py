@@ -1,8 +1,9 @@
 """The Plan of a search's decisions: specs, per-operator costs, redistributions, memory."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from autopar.cost.estimate import MemoryEstimate
 from autopar.cost.facts import op_signatures, summed_pairs, value_facts
@@ -24,20 +25,33 @@ from autopar.trace.ir import OpGraph
 
 @dataclass(frozen=True)
 class Tally:
-    """What decisions cost per device, as the search counts it: time by part, with the
-    per-operator records, the redistributions and the collective bytes by kind."""
+    """What decisions cost per device, as the search counts it: time by part and the
+    collective bytes by kind, and on demand the per-operator records and the redistributions
+    (the budget weighs many tallies and writes up one)."""
 
-    ops: tuple[OpDecision, ...]
-    moves: tuple[Redistribution, ...]
     out_specs: list[Spec]
     compute_s: float
     communication_s: float
     recompute_s: float
     collective_bytes: dict[str, float]
+    written: Callable[[], tuple[tuple[OpDecision, ...], tuple[Redistribution, ...]]] = field(
+        repr=False, compare=False)
 
     @property
     def total_s(self) -> float:
         return self.compute_s + self.communication_s
+
+    @functools.cached_property
+    def _records(self) -> tuple[tuple[OpDecision, ...], tuple[Redistribution, ...]]:
+        return self.written()
+
+    @property
+    def ops(self) -> tuple[OpDecision, ...]:
+        return self._records[0]
+
+    @property
+    def moves(self) -> tuple[Redistribution, ...]:
+        return self._records[1]
 
 
 @dataclass(frozen=True)
@@ -59,11 +73,25 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
           pinned: dict[int, Spec] | None = None) -> Tally:
     """The cost of `decisions` per device; `pinned` (the annotated tensors) marks the
     redistributions at annotations."""
+    out_specs, compute, comm, recompute_s, collective_bytes = _counted(
+        graph, decisions, mesh, hw, pinned, None, None)
+
+    def written() -> tuple[tuple[OpDecision, ...], tuple[Redistribution, ...]]:
+        records: list[OpDecision] = []
+        moves: list[Redistribution] = []
+        _counted(graph, decisions, mesh, hw, pinned, records, moves)
+        return tuple(records), tuple(moves)
+    return Tally(out_specs, compute, comm, recompute_s, collective_bytes, written)
+
+
+def _counted(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
+             pinned: dict[int, Spec] | None, records: list[OpDecision] | None,
+             moves: list[Redistribution] | None) -> tuple:
+    """tally's sums; with `records` and `moves`, the per-operator records and the
+    redistributions appended to them (made only for the plan written up)."""
     tensors = graph.tensors
     pinned = pinned or {}
     specs = decisions.tensor_specs(graph)
-    records: list[OpDecision] = []
-    moves: list[Redistribution] = []
     compute = comm = recompute_s = 0.0
     collective_bytes: dict[str, float] = {}
 
@@ -103,12 +131,15 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
                     moved.add((t, need))
                     count(reshard_collectives(tensors[t], specs[t], need, mesh, hw), times)
                 m += move
-                at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
-                where = f"operand {i} of {op.primitive} #{op.id}" + (
-                    f" ({op.source})" if op.source else "")
-                moves.append(Redistribution(where, _name(graph, t),
-                    tensors[t].shape, specs[t], need, move, at_annotation))
+                if moves is not None:
+                    at_annotation = t in pinned or bool(set(op.outputs) & pinned.keys())
+                    where = f"operand {i} of {op.primitive} #{op.id}" + (
+                        f" ({op.source})" if op.source else "")
+                    moves.append(Redistribution(where, _name(graph, t),
+                        tensors[t].shape, specs[t], need, move, at_annotation))
         compute, comm = compute + c, comm + m
+        if records is None:
+            continue
         records.append(OpDecision(
             op.id, op.primitive, op.source, tuple(tensors[t].shape for t in op.inputs),
             tuple(tensors[t].shape for t in op.outputs), st.in_specs, st.out_specs,
@@ -117,9 +148,9 @@ def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
     for t, move in _returned_state(graph, specs, out_specs, mesh, hw, pinned):
         count(reshard_collectives(tensors[t], move.from_spec, move.to_spec, mesh, hw))
         comm += move.cost_s
-        moves.append(move)
-    return Tally(tuple(records), tuple(moves), out_specs, compute, comm, recompute_s,
-                 collective_bytes)
+        if moves is not None:
+            moves.append(move)
+    return out_specs, compute, comm, recompute_s, collective_bytes
 
 
 def _summed_alike(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware

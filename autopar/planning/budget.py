@@ -22,14 +22,18 @@ and bisection raises that cap towards the kept bytes of the fastest plan that di
 keeping the largest cap whose proven plan fits the limit. The proof is about the kept-bytes
 model; whether a plan fits is the liveness estimate's verdict (docs/decisions.md).
 
-When no price makes the plan fit, the backward pass recomputes layers (those keeping the most
-activations first) until the leanest plan fits, and the prices are searched again with those
-layers recomputed. When even that does not fit, an AutoparError gives the least memory found
-and what fills it.
+When the price stalls (a rise of 8x lowers the peak by under 5%: activations a price cannot
+shard away) or no price makes the plan fit, the backward pass recomputes layers (those keeping
+the most activations first) until the leanest plan fits, and the prices are searched again with
+those layers recomputed, from the price of that plan. After a stall the plain prices then go
+on rising only while their plans stay faster than the fastest that fits with recompute: a
+higher price never buys a faster plan. When even that does not fit, an AutoparError gives the
+least memory found and what fills it.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Callable
 
@@ -52,6 +56,9 @@ BISECTIONS = 5
 # monotone in the price (see plan_within).
 DESCENTS = 3
 CAP_BISECTIONS = 3  # proven searches that raise the kept-bytes cap
+# A price rise whose plan peaks above this share of the last plan's has stalled: the price no
+# longer buys memory (activations the price cannot shard away), and recompute is tried.
+STALL = 0.95
 
 # (memory price in seconds per byte, forward steps to recompute, cap on kept bytes or None)
 #  -> the search's candidate; with a cap, SearchTooLargeError where the answer cannot be proven
@@ -70,54 +77,102 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
     start = free.tally.total_s / max(free.peak_bytes, 1)
     attempt = _reported(attempt, tried)
 
-    def search_prices(recompute: frozenset) -> Candidate | None:
-        """Raise the price until a plan fits; where the first did not, try lower ones, else
-        bisect below the first that fits; the fastest that fits."""
-        lo, hi, fits = 0.0, None, []
-        for k in range(RAISES + 1):
-            price = 0.0 if (k == 0 and recompute) else start * 8.0 ** k
-            c = attempt(price, recompute, None)
-            tried.append((price, c))
-            if c.peak_bytes <= limit:
-                hi = price
-                fits.append((price, c))
-                break
-            lo = price
-        if hi is None:
-            return None
-        for j in range(1, DESCENTS + 1 if k > 0 else 1):  # the first did not fit: lower may
-            price = start / 8.0 ** j
-            c = attempt(price, recompute, None)
-            tried.append((price, c))
-            if c.peak_bytes <= limit:
-                fits.append((price, c))
-            elif len(fits) > 1:
+    def branch(recompute: frozenset, first: float | None = None) -> _Prices:
+        """Prices 8x apart from `first`, or from the plain branch's first (with recompute, from
+        no price at all), with the descents below it where that does not fit."""
+        raises = [(first or start) * 8.0 ** k for k in range(RAISES + 1)]
+        if first is None and recompute:
+            raises[0] = 0.0
+        return _Prices(attempt, tried, limit, start, recompute, raises, descend=first is None)
+
+    def settled(prices: _Prices) -> tuple[float | None, Candidate]:
+        price, c = prices.settle()
+        proven = _proven(attempt, graph, mesh, limit, prices.recompute, c, tried) if prove else None
+        return (None, proven) if proven is not None else (price, c)
+
+    plain = branch(frozenset())
+    outcome = plain.rise(stall=True)
+    found = [settled(plain)] if outcome == "fits" else []
+    if outcome != "fits":
+        # Prices alone stalled or failed: recompute layers, planned from the leanest plan yet.
+        # After a stall, from the price that plan was found at, and the plain prices go on
+        # rising only while their plans stay faster than the fastest that fits with recompute
+        # (a higher price never buys a faster plan).
+        lean = min(tried, key=lambda pc: pc[1].peak_bytes)
+        recompute = _layers_to_recompute(graph, lean[1].decisions, lean[1].peak_bytes, mesh,
+                                         limit, buffers)
+        if recompute:
+            again = branch(recompute, lean[0] if outcome == "stalled" and lean[0] > 0 else None)
+            found += [settled(again)] if again.rise() == "fits" else []
+        if outcome == "stalled":
+            bound = min((c.tally.total_s for _, c in found), default=math.inf)
+            found += [settled(plain)] if plain.rise(faster_than=bound) == "fits" else []
+    if not found:
+        raise nothing_fits(_leanest(tried), limit, graph, mesh)
+    price, c = min(found, key=lambda pc: pc[1].tally.total_s)
+    return _with_stats(c, price, tried, limit)
+
+
+@dataclasses.dataclass
+class _Prices:
+    """One branch of the price search: the plans at `prices` in turn, `recompute` fixed."""
+
+    attempt: Attempt
+    tried: list
+    limit: int
+    start: float  # the first price of the plain branch: descents go below it
+    recompute: frozenset
+    prices: list[float]
+    descend: bool  # try prices below `start` where the first of `prices` does not fit
+    k: int = 0  # the next of `prices` to try
+    lo: float = 0.0  # the highest price tried whose plan did not fit
+    last: Candidate | None = None  # its plan
+    fits: list = dataclasses.field(default_factory=list)
+
+    def trial(self, price: float) -> Candidate:
+        c = self.attempt(price, self.recompute, None)
+        self.tried.append((price, c))
+        if c.peak_bytes <= self.limit:
+            self.fits.append((price, c))
+        return c
+
+    def rise(self, stall: bool = False, faster_than: float = math.inf) -> str:
+        """Raise the price until a plan fits ("fits"), the prices run out ("exhausted"), a
+        plan is no faster than `faster_than` ("slower"), or, with `stall`, a rise bought
+        less than 1 - STALL of the last plan's peak ("stalled")."""
+        last = None
+        while self.k < len(self.prices):
+            if self.last is not None and self.last.tally.total_s >= faster_than:
+                return "slower"
+            price = self.prices[self.k]
+            self.k += 1
+            c = self.trial(price)
+            if c.peak_bytes <= self.limit:
+                return "fits"
+            self.lo, last, self.last = price, self.last, c
+            if stall and last is not None and c.peak_bytes > STALL * last.peak_bytes:
+                return "stalled"
+        return "exhausted"
+
+    def settle(self) -> tuple[float, Candidate]:
+        """After a rise that fits: where the branch's first price did not (and `descend`), try
+        the prices below `start`, else bisect below the price that fits; the fastest that
+        fits."""
+        hi = self.fits[-1][0]
+        for j in range(1, DESCENTS + 1 if self.k > 1 and self.descend else 1):
+            c = self.trial(self.start / 8.0 ** j)
+            if c.peak_bytes > self.limit and len(self.fits) > 1:
                 break  # past the lowest price that fits
         # bisect between the last price over the limit and the first within it, unless a
         # lower price fits: the prices between would keep fewer bytes, at a higher cost
-        for _ in range(BISECTIONS if hi > 0 and len(fits) == 1 else 0):
+        lo = self.lo
+        for _ in range(BISECTIONS if hi > 0 and len(self.fits) == 1 else 0):
             price = math.sqrt(lo * hi) if lo > 0 else hi / 8
-            c = attempt(price, recompute, None)
-            tried.append((price, c))
-            if c.peak_bytes <= limit:
+            if self.trial(price).peak_bytes <= self.limit:
                 hi = price
-                fits.append((price, c))
             else:
                 lo = price
-        price, c = min(fits, key=lambda f: f[1].tally.total_s)
-        proven = _proven(attempt, graph, mesh, limit, recompute, c, tried) if prove else None
-        if proven is not None:
-            return _with_stats(proven, None, tried, limit)
-        return _with_stats(c, price, tried, limit)
-
-    found = search_prices(frozenset())
-    if found is None:
-        recompute = _layers_to_recompute(graph, _leanest(tried).decisions, mesh, limit, buffers)
-        if recompute:
-            found = search_prices(recompute)
-    if found is None:
-        raise nothing_fits(_leanest(tried), limit, graph, mesh)
-    return found
+        return min(self.fits, key=lambda f: f[1].tally.total_s)
 
 
 def _reported(attempt: Attempt, tried: list) -> Attempt:
@@ -173,9 +228,10 @@ def _with_stats(chosen: Candidate, price: float | None, tried: list, limit: int)
     return dataclasses.replace(chosen, stats=stats)
 
 
-def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
-                         limit: int, buffers: BufferModel) -> frozenset:
-    """Layers to recompute, most activation bytes first, until `decisions` fit (or all are)."""
+def _layers_to_recompute(graph: OpGraph, decisions: Decisions, peak_bytes: int,
+                         mesh: MeshShape, limit: int, buffers: BufferModel) -> frozenset:
+    """Layers to recompute, most activation bytes first, until `decisions` (peaking at
+    `peak_bytes` as they are) fit (or all are)."""
     specs = decisions.tensor_specs(graph)
     kind = roles(graph)
     layers = layer_steps(graph)
@@ -185,7 +241,8 @@ def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
                    for i in steps for t in graph.program[i].outputs
                    if kind.get(t) == "activations")
 
-    order = sorted(layers, key=lambda name: -kept(layers[name]))
+    kept_by_layer = {name: kept(steps) for name, steps in layers.items()}
+    order = sorted(layers, key=lambda name: -kept_by_layer[name])
 
     def first(n: int) -> frozenset:
         return frozenset(i for name in order[:n] for i in layers[name])
@@ -194,9 +251,23 @@ def _layers_to_recompute(graph: OpGraph, decisions: Decisions, mesh: MeshShape,
         trial = dataclasses.replace(decisions, recompute=first(n))
         return plan_memory(graph, trial, mesh, buffers).peak_bytes <= limit
 
-    # The fewest layers that fit, by bisection: recomputing more layers keeps less, and a deep
-    # model has too many layers to estimate the plan once per layer.
-    lo, hi = 0, len(order)  # fits(hi) is assumed: with none fitting, all are recomputed
+    # The fewest layers that fit (recomputing more layers keeps less). A deep model has too many
+    # layers to estimate the plan once per layer: from a guess, the fewest layers whose kept
+    # activations add up to the excess, the search gallops to a bracket and bisects it, two
+    # estimates where the guess is right.
+    kept_first = itertools.accumulate(kept_by_layer[name] for name in order)
+    guess = next((n for n, k in enumerate(kept_first, 1) if k >= peak_bytes - limit), len(order))
+    lo, hi, step = 0, len(order), 1  # fits(hi) is assumed: with none fitting, all are recomputed
+    if guess < hi and fits(guess):
+        hi = guess
+        while hi - step > lo and fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(lo, hi - step)
+    elif guess < hi:
+        lo = guess
+        while lo + step < hi and not fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(hi, lo + step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
