@@ -57,6 +57,9 @@ class Planning:
     # Every search's candidate, by (mesh, price, recompute, kept-bytes cap): planning again
     # (the proofs put off until the unlimited plan is ruled out, fitting.py) repeats none.
     attempts: dict[tuple, Candidate] = field(default_factory=dict)
+    # (mesh, decisions) -> their tally and memory estimate: prices a bisection apart often
+    # find the same decisions
+    costed: dict[tuple, tuple] = field(default_factory=dict)
     schedule: Schedule = Schedule()  # how the traced step accumulates and pipelines
     stored: Storage | None = None  # the stack's leaves kept in placement (placement/stored.py)
     lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)
@@ -164,10 +167,12 @@ class Planning:
             solved = solve(self.graph, shape, self.hw, self.search, pinned, price, self.units,
                            problems, kept_budget)
         decisions = dataclasses.replace(solved.decisions, recompute=recompute)
-        found = self.attempts[key] = Candidate(
-            decisions, tally(self.graph, decisions, shape, self.hw, pinned),
-            plan_memory(self.graph, decisions, shape, self.buffers),
-            solved.stats.noting(trace_s=self.trace_s))
+        same = (shape, tuple(decisions.inputs), tuple(decisions.ops), recompute)
+        if same not in self.costed:
+            self.costed[same] = (tally(self.graph, decisions, shape, self.hw, pinned),
+                                 plan_memory(self.graph, decisions, shape, self.buffers))
+        found = self.attempts[key] = Candidate(decisions, *self.costed[same],
+                                               solved.stats.noting(trace_s=self.trace_s))
         return found
 
 
