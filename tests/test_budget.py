@@ -3,6 +3,8 @@ price, as the mixture of experts on 8 x 8 v5p chips within 2.91 GiB planned them
 import math
 from types import SimpleNamespace
 
+import pytest
+
 from autopar.planning import budget
 from autopar.planning.assemble import Candidate
 from autopar.plan_stats import SearchStats
@@ -53,6 +55,7 @@ def test_where_prices_stall_layers_are_recomputed_before_the_plan_slows_down(mon
     that fits with them; the plain prices are not raised further, as their plans are already
     slower."""
     monkeypatch.setattr(budget, "_layers_to_recompute", lambda *args: frozenset({7}))
+    monkeypatch.setattr(budget, "kept_bytes", lambda graph, decisions, mesh: decisions[1] * GB)
     start = 580e-3 / (78.9 * GB)
     asked = []
 
@@ -74,3 +77,28 @@ def test_where_prices_stall_layers_are_recomputed_before_the_plan_slows_down(mon
     recomputed = [p for p, recomputed in asked if recomputed]
     assert recomputed[0] == 8 * start  # from the price of the leanest plan (the first)
     assert chosen.stats["memory_solves"] == len(asked)
+
+
+def test_below_a_price_that_fits_the_search_goes_to_where_two_plans_cost_the_same(monkeypatch):
+    """The first price fits. Between the free plan A (over the limit) and the plan B that fits,
+    a plan C fits too and is faster. The price at which A and B cost the same (time plus price
+    times kept bytes) finds C; the price at which A and C do finds A again: the plans are
+    adjacent, and the search stops after two prices, where bisection took five."""
+    monkeypatch.setattr(budget, "kept_bytes", lambda graph, decisions, mesh: decisions[1] * GB)
+    plans = {"A": (1340.0, 190.0), "C": (1380.0, 40.0), "B": (1408.0, 15.0)}
+
+    def best_at(price: float) -> tuple[float, float]:  # an exact search: least time + price x kept
+        return min(plans.values(), key=lambda p: p[0] / 1e3 + price * p[1] * GB)
+    asked = []
+
+    def attempt(price: float, recompute: frozenset, cap) -> Candidate:
+        asked.append(price)
+        return candidate(*best_at(price))
+    start = 1.340 / (190.0 * GB)
+    assert best_at(start) == plans["B"]
+    chosen = budget.plan_within(attempt, None, None, int(95 * GB), None)
+    assert chosen.decisions == plans["C"]
+    even_ab = (1.408 - 1.340) / ((190.0 - 15.0) * GB)
+    even_ac = (1.380 - 1.340) / ((190.0 - 40.0) * GB)
+    assert asked[:2] == [0.0, start]
+    assert asked[2:] == pytest.approx([even_ab, even_ac], rel=1e-12)

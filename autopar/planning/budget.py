@@ -3,7 +3,11 @@
 The search minimises time. When its plan does not fit `memory_limit`, every byte a strategy
 keeps per device (the step's inputs, activations and gradients) is charged a price in seconds,
 a Lagrange multiplier, and the search runs again: the price rises eightfold until the plan fits,
-then bisection finds a lower price that still fits, and the fastest fitting plan found wins.
+then lower prices are tried, and the fastest fitting plan found wins. Below the price that fits,
+the next price is the one at which the plans either side cost the same (time plus price times
+kept bytes): a plan found there that costs less lies between them and narrows the bracket; one
+that does not shows none does, as the price's plans lie on the lower convex hull of (kept
+bytes, time). Where the plan below is not known yet, the price is an eighth of the one above.
 Charged for memory, the search shards what it would have replicated: optimizer state and
 gradients along the data axis first (their reduce-scatter costs what the all-reduce did), then
 parameters (FSDP), then activations. recursive_programming, charged heavily, splits memory first.
@@ -77,13 +81,21 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
     start = free.tally.total_s / max(free.peak_bytes, 1)
     attempt = _reported(attempt, tried)
 
+    counted: dict[int, float] = {}  # id of a candidate (all kept in `tried`) -> kept bytes
+
+    def kept(c: Candidate) -> float:
+        if id(c) not in counted:
+            counted[id(c)] = kept_bytes(graph, c.decisions, mesh)
+        return counted[id(c)]
+
     def branch(recompute: frozenset, first: float | None = None) -> _Prices:
         """Prices 8x apart from `first`, or from the plain branch's first (with recompute, from
         no price at all), with the descents below it where that does not fit."""
         raises = [(first or start) * 8.0 ** k for k in range(RAISES + 1)]
         if first is None and recompute:
             raises[0] = 0.0
-        return _Prices(attempt, tried, limit, start, recompute, raises, descend=first is None)
+        return _Prices(attempt, tried, limit, start, recompute, raises, descend=first is None,
+                       kept=kept, floor=None if recompute else free)
 
     def settled(prices: _Prices) -> tuple[float | None, Candidate]:
         price, c = prices.settle()
@@ -124,6 +136,8 @@ class _Prices:
     recompute: frozenset
     prices: list[float]
     descend: bool  # try prices below `start` where the first of `prices` does not fit
+    kept: Callable[[Candidate], float]  # the bytes a candidate keeps, as the price charges them
+    floor: Candidate | None = None  # the plan at no price, where the branch's is known
     k: int = 0  # the next of `prices` to try
     lo: float = 0.0  # the highest price tried whose plan did not fit
     last: Candidate | None = None  # its plan
@@ -163,15 +177,25 @@ class _Prices:
             c = self.trial(self.start / 8.0 ** j)
             if c.peak_bytes > self.limit and len(self.fits) > 1:
                 break  # past the lowest price that fits
-        # bisect between the last price over the limit and the first within it, unless a
-        # lower price fits: the prices between would keep fewer bytes, at a higher cost
-        lo = self.lo
+        # Between the last price over the limit and the first within it, unless a lower price
+        # fits (the prices between would keep fewer bytes, at a higher cost): where the plans
+        # at both ends are known, the price at which they cost the same (time plus price times
+        # kept bytes), else an eighth of the price that fits. A plan found there that costs
+        # no less than they do there means none lies between: the search is done.
+        lo, below, above = self.lo, self.last or self.floor, self.fits[-1][1]
         for _ in range(BISECTIONS if hi > 0 and len(self.fits) == 1 else 0):
-            price = math.sqrt(lo * hi) if lo > 0 else hi / 8
-            if self.trial(price).peak_bytes <= self.limit:
-                hi = price
+            even = below is not None and self.kept(below) > self.kept(above)
+            price = ((above.tally.total_s - below.tally.total_s)
+                     / (self.kept(below) - self.kept(above)) if even
+                     else math.sqrt(lo * hi) if lo > 0 else hi / 8)
+            c = self.trial(price)
+            if even and (c.tally.total_s + price * self.kept(c) >= (1 - 1e-9) * (
+                    above.tally.total_s + price * self.kept(above))):
+                break
+            if c.peak_bytes <= self.limit:
+                hi, above = price, c
             else:
-                lo = price
+                lo, below = price, c
         return min(self.fits, key=lambda f: f[1].tally.total_s)
 
 
