@@ -13,10 +13,10 @@ GB = 10**9
 LIMIT = int(3.13 * GB)
 
 
-def candidate(ms: float, peak: float) -> Candidate:
+def candidate(ms: float, peak: float, exact: bool = False) -> Candidate:
     return Candidate((ms, peak), SimpleNamespace(total_s=ms / 1e3),
                      SimpleNamespace(peak_bytes=int(peak * GB)),
-                     SearchStats(seconds={"search_s": 0.1}))
+                     SearchStats(exact=exact, seconds={"search_s": 0.1}))
 
 
 def by_price(start: float):
@@ -83,7 +83,8 @@ def test_below_a_price_that_fits_the_search_goes_to_where_two_plans_cost_the_sam
     """The first price fits. Between the free plan A (over the limit) and the plan B that fits,
     a plan C fits too and is faster. The price at which A and B cost the same (time plus price
     times kept bytes) finds C; the price at which A and C do finds A again: the plans are
-    adjacent, and the search stops after two prices, where bisection took five."""
+    adjacent, and the search stops after two prices, where bisection takes five (and does,
+    where the searches are not exact)."""
     monkeypatch.setattr(budget, "kept_bytes", lambda graph, decisions, mesh: decisions[1] * GB)
     plans = {"A": (1340.0, 190.0), "C": (1380.0, 40.0), "B": (1408.0, 15.0)}
 
@@ -93,7 +94,7 @@ def test_below_a_price_that_fits_the_search_goes_to_where_two_plans_cost_the_sam
 
     def attempt(price: float, recompute: frozenset, cap) -> Candidate:
         asked.append(price)
-        return candidate(*best_at(price))
+        return candidate(*best_at(price), exact=True)
     start = 1.340 / (190.0 * GB)
     assert best_at(start) == plans["B"]
     chosen = budget.plan_within(attempt, None, None, int(95 * GB), None)
@@ -102,3 +103,7 @@ def test_below_a_price_that_fits_the_search_goes_to_where_two_plans_cost_the_sam
     even_ac = (1.380 - 1.340) / ((190.0 - 40.0) * GB)
     assert asked[:2] == [0.0, start]
     assert asked[2:] == pytest.approx([even_ab, even_ac], rel=1e-12)
+    asked.clear()
+    inexact = budget.plan_within(lambda price, recompute, cap: candidate(
+        *attempt(price, recompute, cap).decisions), None, None, int(95 * GB), None)
+    assert len(asked) == 2 + budget.BISECTIONS and inexact.decisions == plans["C"]

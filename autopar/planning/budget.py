@@ -4,10 +4,10 @@ The search minimises time. When its plan does not fit `memory_limit`, every byte
 keeps per device (the step's inputs, activations and gradients) is charged a price in seconds,
 a Lagrange multiplier, and the search runs again: the price rises eightfold until the plan fits,
 then lower prices are tried, and the fastest fitting plan found wins. Below the price that fits,
-the next price is the one at which the plans either side cost the same (time plus price times
-kept bytes): a plan found there that costs less lies between them and narrows the bracket; one
-that does not shows none does, as the price's plans lie on the lower convex hull of (kept
-bytes, time). Where the plan below is not known yet, the price is an eighth of the one above.
+where exact searches found the plans either side, the next price is the one at which they cost
+the same (time plus price times kept bytes): a plan found there that costs less lies between
+them and narrows the bracket; one that does not shows none does, as an exact search's plans
+lie on the lower convex hull of (kept bytes, time). Otherwise the prices are bisected.
 Charged for memory, the search shards what it would have replicated: optimizer state and
 gradients along the data axis first (their reduce-scatter costs what the all-reduce did), then
 parameters (FSDP), then activations. recursive_programming, charged heavily, splits memory first.
@@ -178,19 +178,22 @@ class _Prices:
             if c.peak_bytes > self.limit and len(self.fits) > 1:
                 break  # past the lowest price that fits
         # Between the last price over the limit and the first within it, unless a lower price
-        # fits (the prices between would keep fewer bytes, at a higher cost): where the plans
-        # at both ends are known, the price at which they cost the same (time plus price times
-        # kept bytes), else an eighth of the price that fits. A plan found there that costs
-        # no less than they do there means none lies between: the search is done.
+        # fits (the prices between would keep fewer bytes, at a higher cost). Where exact
+        # searches found the plans at both ends, the price at which they cost the same (time
+        # plus price times kept bytes): an exact plan found there that costs no less than they
+        # do there shows that none lies between, and the search is done. Else bisection (an
+        # inexact search's plans need not lie on the hull: a higher price can find a faster
+        # plan), from an eighth of the price that fits.
         lo, below, above = self.lo, self.last or self.floor, self.fits[-1][1]
         for _ in range(BISECTIONS if hi > 0 and len(self.fits) == 1 else 0):
-            even = below is not None and self.kept(below) > self.kept(above)
+            even = (below is not None and below.stats["exact"] and above.stats["exact"]
+                    and self.kept(below) > self.kept(above))
             price = ((above.tally.total_s - below.tally.total_s)
                      / (self.kept(below) - self.kept(above)) if even
                      else math.sqrt(lo * hi) if lo > 0 else hi / 8)
             c = self.trial(price)
-            if even and (c.tally.total_s + price * self.kept(c) >= (1 - 1e-9) * (
-                    above.tally.total_s + price * self.kept(above))):
+            if even and c.stats["exact"] and (c.tally.total_s + price * self.kept(c) >= (
+                    1 - 1e-9) * (above.tally.total_s + price * self.kept(above))):
                 break
             if c.peak_bytes <= self.limit:
                 hi, above = price, c
