@@ -170,8 +170,8 @@ class _Prices:
 
     def settle(self) -> tuple[float, Candidate]:
         """After a rise that fits: where the branch's first price did not (and `descend`), try
-        the prices below `start`, else bisect below the price that fits; the fastest that
-        fits."""
+        the prices below `start`, else lower prices below the one that fits (module doc); the
+        fastest that fits."""
         hi = self.fits[-1][0]
         for j in range(1, DESCENTS + 1 if self.k > 1 and self.descend else 1):
             c = self.trial(self.start / 8.0 ** j)
@@ -187,7 +187,8 @@ class _Prices:
         lo, below, above = self.lo, self.last or self.floor, self.fits[-1][1]
         for _ in range(BISECTIONS if hi > 0 and len(self.fits) == 1 else 0):
             even = (below is not None and below.stats["exact"] and above.stats["exact"]
-                    and self.kept(below) > self.kept(above))
+                    and self.kept(below) > self.kept(above)
+                    and above.tally.total_s > below.tally.total_s)
             price = ((above.tally.total_s - below.tally.total_s)
                      / (self.kept(below) - self.kept(above)) if even
                      else math.sqrt(lo * hi) if lo > 0 else hi / 8)
