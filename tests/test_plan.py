@@ -154,6 +154,7 @@ def test_unsupported_primitive_warns_and_runs_replicated():
     np.testing.assert_allclose(np.asarray(new_w), np.asarray(ref_w), rtol=1e-5)
 
 
+@pytest.mark.slow  # the three-axis plan's bound takes 5-8 s on 2 cores
 def test_search_stats_are_honest_about_exactness():
     """One exact plan, and one on three axes where exact tables do not fit: its lower bound
     is below its cost, and the gap between them is the one reported."""
