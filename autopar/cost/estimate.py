@@ -3,6 +3,7 @@ records, the estimate it returns by kind of value, and how they are named."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopar.trace.ir import OpGraph, Equation
 
@@ -31,8 +32,7 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
-@dataclass(frozen=True)
-class Buffer:
+class Buffer(NamedTuple):  # a tuple: a walk makes one per value of the step, every estimate
     """A buffer of the walk: live from time `first` to `last` (inclusive), `nbytes` of `kind`,
     holding tensor `tensor` as `how` says: "" the value itself, "recomputed" its
     recomputation, "resharding" or "transposing" it for program step `step`, "copied" a

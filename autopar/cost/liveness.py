@@ -130,8 +130,9 @@ class _Walk:
         tensor = self.graph.tensors[t]
         if tensor.const:
             return 0
-        spec = self.specs.get(t, replicated(len(tensor.shape)))
-        return int(shard_bytes(tensor, spec, self.mesh))
+        spec = self.specs.get(t)
+        return int(shard_bytes(tensor, replicated(len(tensor.shape)) if spec is None else spec,
+                               self.mesh))
 
     def last_read(self, steps: Iterable[int], default: int) -> int:
         return _last_read(self.graph.program, self.materialised, self.last, steps, default,
