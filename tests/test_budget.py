@@ -55,7 +55,6 @@ def test_where_prices_stall_layers_are_recomputed_before_the_plan_slows_down(mon
     that fits with them; the plain prices are not raised further, as their plans are already
     slower."""
     monkeypatch.setattr(budget, "_layers_to_recompute", lambda *args: frozenset({7}))
-    monkeypatch.setattr(budget, "kept_bytes", lambda graph, decisions, mesh: decisions[1] * GB)
     start = 580e-3 / (78.9 * GB)
     asked = []
 

@@ -30,8 +30,9 @@ When the price stalls (a rise of 8x lowers the peak by under 5%: activations a p
 shard away) or no price makes the plan fit, the backward pass recomputes layers (those keeping
 the most activations first) until the leanest plan fits, and the prices are searched again with
 those layers recomputed, from the price of that plan. After a stall the plain prices then go
-on rising only while their plans stay faster than the fastest that fits with recompute: a
-higher price never buys a faster plan. When even that does not fit, an AutoparError gives the
+on rising only while their plans stay faster than the fastest that fits with recompute: an
+exact search never finds a faster plan at a higher price (for an inexact one that is
+assumed). When even that does not fit, an AutoparError gives the
 least memory found and what fills it.
 """
 from __future__ import annotations
@@ -109,18 +110,19 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
         # Prices alone stalled or failed: recompute layers, planned from the leanest plan yet.
         # After a stall, from the price that plan was found at, and the plain prices go on
         # rising only while their plans stay faster than the fastest that fits with recompute
-        # (a higher price never buys a faster plan).
-        lean = min(tried, key=lambda pc: pc[1].peak_bytes)
-        recompute = _layers_to_recompute(graph, lean[1].decisions, lean[1].peak_bytes, mesh,
-                                         limit, buffers)
+        # (module doc).
+        lean_price, lean = _leanest(tried)
+        recompute = _layers_to_recompute(graph, lean.decisions, lean.peak_bytes, mesh, limit,
+                                         buffers)
         if recompute:
-            again = branch(recompute, lean[0] if outcome == "stalled" and lean[0] > 0 else None)
+            again = branch(recompute, lean_price if outcome == "stalled" and lean_price > 0
+                           else None)
             found += [settled(again)] if again.rise() == "fits" else []
         if outcome == "stalled":
             bound = min((c.tally.total_s for _, c in found), default=math.inf)
             found += [settled(plain)] if plain.rise(faster_than=bound) == "fits" else []
     if not found:
-        raise nothing_fits(_leanest(tried), limit, graph, mesh)
+        raise nothing_fits(_leanest(tried)[1], limit, graph, mesh)
     price, c = min(found, key=lambda pc: pc[1].tally.total_s)
     return _with_stats(c, price, tried, limit)
 
@@ -154,7 +156,6 @@ class _Prices:
         """Raise the price until a plan fits ("fits"), the prices run out ("exhausted"), a
         plan is no faster than `faster_than` ("slower"), or, with `stall`, a rise bought
         less than 1 - STALL of the last plan's peak ("stalled")."""
-        last = None
         while self.k < len(self.prices):
             if self.last is not None and self.last.tally.total_s >= faster_than:
                 return "slower"
@@ -163,8 +164,8 @@ class _Prices:
             c = self.trial(price)
             if c.peak_bytes <= self.limit:
                 return "fits"
-            self.lo, last, self.last = price, self.last, c
-            if stall and last is not None and c.peak_bytes > STALL * last.peak_bytes:
+            previous, self.lo, self.last = self.last, price, c
+            if stall and previous is not None and c.peak_bytes > STALL * previous.peak_bytes:
                 return "stalled"
         return "exhausted"
 
@@ -172,7 +173,7 @@ class _Prices:
         """After a rise that fits: where the branch's first price did not (and `descend`), try
         the prices below `start`, else lower prices below the one that fits (module doc); the
         fastest that fits."""
-        hi = self.fits[-1][0]
+        hi, above = self.fits[-1]
         for j in range(1, DESCENTS + 1 if self.k > 1 and self.descend else 1):
             c = self.trial(self.start / 8.0 ** j)
             if c.peak_bytes > self.limit and len(self.fits) > 1:
@@ -184,7 +185,7 @@ class _Prices:
         # do there shows that none lies between, and the search is done. Else bisection (an
         # inexact search's plans need not lie on the hull: a higher price can find a faster
         # plan), from an eighth of the price that fits.
-        lo, below, above = self.lo, self.last or self.floor, self.fits[-1][1]
+        lo, below = self.lo, self.last or self.floor
         for _ in range(BISECTIONS if hi > 0 and len(self.fits) == 1 else 0):
             even = (below is not None and below.stats["exact"] and above.stats["exact"]
                     and self.kept(below) > self.kept(above)
@@ -213,8 +214,9 @@ def _reported(attempt: Attempt, tried: list) -> Attempt:
     return run
 
 
-def _leanest(tried: list[tuple[float | None, Candidate]]) -> Candidate:
-    return min((c for _, c in tried), key=lambda c: c.peak_bytes)
+def _leanest(tried: list[tuple[float | None, Candidate]]) -> tuple[float | None, Candidate]:
+    """The price and candidate of the plan peaking lowest (the first, where several do)."""
+    return min(tried, key=lambda pc: pc[1].peak_bytes)
 
 
 def _proven(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int,
