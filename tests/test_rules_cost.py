@@ -78,6 +78,30 @@ def test_a_reduce_scatter_over_every_tpu_chip_is_priced_as_the_all_reduce_it_com
                                 hw.link_latency / 2)
 
 
+def test_a_bf16_reduce_scatter_leaving_one_lane_row_is_priced_on_tpu_as_its_all_reduce():
+    """A TPU compiler makes a bf16 reduce-scatter along the result's last dimension that
+    leaves each device 128 elements of it an all-reduce of the whole result (tests/test_tpu.py
+    compiles it), over part of the mesh too; with 64 left, in float32, or on the CPU it stays
+    a reduce-scatter."""
+    mesh = MeshShape(("data", "model"), (4, 2))
+    for dtype, cols, summed_on_tpu in (("bfloat16", 512, True), ("bfloat16", 256, False),
+                                       ("float32", 512, False)):
+        dims = {"dimension_numbers": (((0,), (0,)), ((), ()))}
+        rule = rule_for("dot_general", [(64, 8), (64, cols)], [(8, cols)], dims)
+        tensors = [Tensor(0, (64, 8), dtype), Tensor(1, (64, cols), dtype),
+                   Tensor(2, (8, cols), dtype)]
+        op = Op(0, "dot_general", (0, 1), (2,), dims)
+        k = rule.operands[0][0]  # the contracted dimension
+        scatter = [s for s in enumerate_strategies(rule, mesh, scatter=True)
+                   if dict(s.assignment) == {k: ("data",)} and s.out_specs[0] == ((), ("data",))]
+        assert len(scatter) == 1 and scatter[0].partial_axes == ("data",)
+        whole = tensors[2].nbytes
+        for hw in (PROFILES["tpu_v5p"], PROFILES["tpu_v5e"], PROFILES["cpu"]):
+            summed = summed_on_tpu and hw.platform == "tpu"
+            assert op_collectives(op, scatter[0], tensors, mesh, hw) == (
+                {"all-reduce": whole} if summed else {"reduce-scatter": whole / 4})
+
+
 def test_indivisible_dimension_never_split():
     rule = rule_for("dot_general", [(6, 16), (16, 32)], [(6, 32)],
                     {"dimension_numbers": (((1,), (0,)), ((), ()))})

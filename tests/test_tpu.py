@@ -159,6 +159,40 @@ def test_a_reduce_scatter_over_every_chip_is_priced_as_the_tpu_compiler_emits_it
     assert by_sum == (n >= (8 if profile == "tpu_v5p" else 16))
 
 
+@pytest.mark.parametrize("topology, profile", [("v5p:2x2x2", "tpu_v5p"), ("v5e:2x4", "tpu_v5e"),
+                                               ("v6e:2x4", "tpu_v6e")])
+@pytest.mark.parametrize("dtype, left, dim", [(jnp.bfloat16, 128, 1), (jnp.bfloat16, 64, 1),
+                                              (jnp.bfloat16, 256, 1), (jnp.float32, 128, 1),
+                                              (jnp.bfloat16, 128, 0)])
+def test_a_reduce_scatter_leaving_one_lane_row_is_priced_as_the_tpu_compiler_emits_it(
+        topology, profile, dtype, left, dim):
+    """The TPU compiler makes a reduce-scatter of bf16 along the result's last dimension that
+    leaves each device 128 elements of it (its lanes) an all-reduce of the whole result and a
+    slice, over a group of fewer than all chips too; 64 or 256 left, float32, or the first
+    dimension reduce-scatter. The profile's `scatter_by_sum_lanes` says so, and the cost
+    model prices it as the all-reduce it becomes. Seen on Llama-2-7B's weight gradients
+    ([32, 128, 4096] split 32 ways on its last dimension, docs/decisions.md)."""
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    n = len(devices)
+    mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("data", "model"))
+    parts = n // 2
+    out = [None, None]
+    out[dim] = "data"
+    scatter = jax.shard_map(
+        lambda x, w: jax.lax.psum_scatter(x.T @ w if dim else w.T @ x, "data",
+                                          scatter_dimension=dim, tiled=True),
+        mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P(*out), check_vma=False)
+    shapes = [(8 * n, 256), (8 * n, parts * left)]
+    compiled = jax.jit(scatter).lower(*[jax.ShapeDtypeStruct(s, dtype) for s in shapes]).compile()
+    result = (256, parts * left) if dim else (parts * left, 256)
+    tensor = Tensor(0, result, jnp.dtype(dtype).name)
+    spec = tuple(("data",) if d == dim else () for d in range(2))
+    by_sum = scattered_by_sum(get_profile(profile), parts, mesh_shape(mesh), tensor, spec,
+                              ("data",))
+    assert _kinds(compiled) == ({"all-reduce"} if by_sum else {"reduce-scatter"})
+    assert by_sum == (dtype == jnp.bfloat16 and left == 128 and dim == 1)
+
+
 @pytest.mark.slow
 def test_gathers_over_two_axes_of_64_chips_are_priced_as_the_one_all_reduce_they_become():
     """On a (32, 2) mesh of 64 v5p chips, a tensor split over both axes gathered whole is one

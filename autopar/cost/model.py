@@ -149,7 +149,7 @@ def _partial_time(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
     comm = 0.0
     for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
         n, link = group_size(mesh, axes), group_link(hw, mesh, tuple(axes))
-        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
+        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh, tensors[t], s, axes):
             comm += all_reduce(held * n, n, link)
         elif kind == "reduce-scatter":
             comm += reduce_scatter(held * n, n, link)
@@ -177,7 +177,7 @@ def partial_sum(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
     nbytes: dict[str, float] = {}
     for kind, axes, held in found:
         n = group_size(mesh, axes)
-        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh):
+        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh, tensors[t], s, axes):
             kind, held = "all-reduce", held * n
         nbytes[kind] = nbytes.get(kind, 0.0) + op.repeat * held
     seconds = op.repeat * _partial_time(op, strategy, k, tensors, mesh, hw, facts)
@@ -233,11 +233,19 @@ def partial_collectives(op: Op, strategy: Strategy, tensor: Tensor, spec: Spec,
     return [("all-reduce", g, whole) for g in groups + ([rest] if rest else [])]
 
 
-def scattered_by_sum(hw: Hardware, n: int, mesh: MeshShape) -> bool:
-    """Whether `hw`'s compiler makes a reduce-scatter over `n` devices of `mesh` an all-reduce
-    of the whole result (over every device of a large enough program:
-    Hardware.scatter_by_sum_from)."""
-    return 0 < hw.scatter_by_sum_from <= n == mesh.size
+def scattered_by_sum(hw: Hardware, n: int, mesh: MeshShape, tensor: Tensor | None = None,
+                     spec: Spec = (), axes: Sequence[str] = ()) -> bool:
+    """Whether `hw`'s compiler makes a reduce-scatter over `axes` (`n` devices of `mesh`) of
+    `tensor`, held as `spec`, an all-reduce of the whole result: over every device of a large
+    enough program (Hardware.scatter_by_sum_from), or where it scatters the last dimension of
+    2-byte elements leaving each device as many of them as Hardware.scatter_by_sum_lanes."""
+    if 0 < hw.scatter_by_sum_from <= n == mesh.size:
+        return True
+    if not hw.scatter_by_sum_lanes or tensor is None or not spec or not tensor.shape:
+        return False
+    last = spec[-1]
+    return (bool(set(axes) & set(last)) and tensor.nbytes == 2 * math.prod(tensor.shape)
+            and tensor.shape[-1] == hw.scatter_by_sum_lanes * group_size(mesh, last))
 
 
 def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape,
