@@ -81,11 +81,11 @@ def test_a_reduce_scatter_over_every_tpu_chip_is_priced_as_the_all_reduce_it_com
 def test_a_bf16_reduce_scatter_leaving_one_lane_row_is_priced_on_tpu_as_its_all_reduce():
     """A TPU compiler makes a bf16 reduce-scatter along the result's last dimension that
     leaves each device 128 elements of it an all-reduce of the whole result (tests/test_tpu.py
-    compiles it), over part of the mesh too; with 64 left, in float32, or on the CPU it stays
-    a reduce-scatter."""
+    compiles it), over part of the mesh too, and every float16 one; with 64 left, in float32,
+    or on the CPU it stays a reduce-scatter."""
     mesh = MeshShape(("data", "model"), (4, 2))
     for dtype, cols, summed_on_tpu in (("bfloat16", 512, True), ("bfloat16", 256, False),
-                                       ("float32", 512, False)):
+                                       ("float32", 512, False), ("float16", 256, True)):
         dims = {"dimension_numbers": (((0,), (0,)), ((), ()))}
         rule = rule_for("dot_general", [(64, 8), (64, cols)], [(8, cols)], dims)
         tensors = [Tensor(0, (64, 8), dtype), Tensor(1, (64, cols), dtype),

@@ -163,15 +163,17 @@ def test_a_reduce_scatter_over_every_chip_is_priced_as_the_tpu_compiler_emits_it
                                                ("v6e:2x4", "tpu_v6e")])
 @pytest.mark.parametrize("dtype, left, dim", [(jnp.bfloat16, 128, 1), (jnp.bfloat16, 64, 1),
                                               (jnp.bfloat16, 256, 1), (jnp.float32, 128, 1),
-                                              (jnp.bfloat16, 128, 0)])
+                                              (jnp.bfloat16, 128, 0), (jnp.float16, 256, 0),
+                                              (jnp.int32, 64, 1)])
 def test_a_reduce_scatter_leaving_one_lane_row_is_priced_as_the_tpu_compiler_emits_it(
         topology, profile, dtype, left, dim):
     """The TPU compiler makes a reduce-scatter of bf16 along the result's last dimension that
     leaves each device 128 elements of it (its lanes) an all-reduce of the whole result and a
     slice, over a group of fewer than all chips too; 64 or 256 left, float32, or the first
-    dimension reduce-scatter. The profile's `scatter_by_sum_lanes` says so, and the cost
-    model prices it as the all-reduce it becomes. Seen on Llama-2-7B's weight gradients
-    ([32, 128, 4096] split 32 ways on its last dimension, docs/decisions.md)."""
+    dimension reduce-scatter. Of other element types (float16, integers) it makes an
+    all-reduce whatever is left. The profile's `scatter_by_sum_lanes` and `scatters_only` say
+    so, and the cost model prices each as the collective it becomes. Seen on Llama-2-7B's
+    weight gradients ([32, 128, 4096] split 32 ways on its last dimension, docs/decisions.md)."""
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     n = len(devices)
     mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("data", "model"))
@@ -190,7 +192,8 @@ def test_a_reduce_scatter_leaving_one_lane_row_is_priced_as_the_tpu_compiler_emi
     by_sum = scattered_by_sum(get_profile(profile), parts, mesh_shape(mesh), tensor, spec,
                               ("data",))
     assert _kinds(compiled) == ({"all-reduce"} if by_sum else {"reduce-scatter"})
-    assert by_sum == (dtype == jnp.bfloat16 and left == 128 and dim == 1)
+    assert by_sum == (dtype not in (jnp.float32, jnp.bfloat16)
+                      or (dtype == jnp.bfloat16 and left == 128 and dim == 1))
 
 
 @pytest.mark.slow

@@ -70,13 +70,19 @@ class Hardware:
     # reduce-scatters; tests/test_tpu.py). v4 is not measured (its compile-only devices are
     # cores, not chips), so 0.
     scatter_by_sum_from: int = 0
-    # A reduce-scatter of 2-byte elements along a result's last dimension that leaves each
-    # device this many of it is an all-reduce of the whole result, sliced after. 0: never.
+    # A reduce-scatter of bfloat16 along a result's last dimension that leaves each device
+    # this many of it is an all-reduce of the whole result, sliced after. 0: never.
     # The TPU compiler does at 128, its vector lanes (libtpu 0.0.42.1: v5p 2x2x1 to 4x4x4
     # over groups of 2 to 64 chips, v5e 2x4 and 4x4, v6e 2x4; 32, 64, 256 or 512 left, float32,
     # or another dimension reduce-scatter; tests/test_tpu.py). v4 is not measured (its
     # compile-only devices are cores), so 0.
     scatter_by_sum_lanes: int = 0
+    # The element types the compiler reduce-scatters; a reduce-scatter of any other is an
+    # all-reduce of the whole result, sliced after. Empty: every type. The TPU compiler
+    # reduce-scatters float32 and bfloat16 alone (libtpu 0.0.42.1, v5p 2x2x2 and v5e 2x4:
+    # float16, int8, int16, int32 and uint32 all-reduced whatever is left on each device, along
+    # either dimension; tests/test_tpu.py).
+    scatters_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         rates = {"flops": self.flops, "memory_bandwidth": self.memory_bandwidth,
@@ -130,6 +136,7 @@ class Hardware:
                    gather_by_sum_from=int(body.pop("gather_by_sum_from", 0)),
                    scatter_by_sum_from=int(body.pop("scatter_by_sum_from", 0)),
                    scatter_by_sum_lanes=int(body.pop("scatter_by_sum_lanes", 0)),
+                   scatters_only=tuple(str(t) for t in body.pop("scatters_only", ())),
                    levels=levels, axis_levels=placed, **numbers,
                    **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
 
@@ -193,6 +200,8 @@ def group_link(hw: Hardware, mesh: MeshShape, axes: tuple[str, ...]) -> Link:
     return Link(max(k.latency for k in chosen), min(k.bandwidth for k in chosen))
 
 
+TPU_SCATTERED = ("float32", "bfloat16")  # Hardware.scatters_only of the TPU profiles
+
 PROFILES: dict[str, Hardware] = {
     "cpu": Hardware(
         "cpu", flops=5e10, memory_bandwidth=1e10, link_bandwidth=5e9, link_latency=2e-5,
@@ -224,7 +233,8 @@ PROFILES: dict[str, Hardware] = {
     "tpu_v5p": Hardware(
         "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=8,
-        scatter_by_sum_lanes=128, memory_bytes=95 * 10**9,
+        scatter_by_sum_lanes=128, scatters_only=TPU_SCATTERED,
+        memory_bytes=95 * 10**9,
         levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
@@ -232,7 +242,8 @@ PROFILES: dict[str, Hardware] = {
     "tpu_v5e": Hardware(
         "tpu_v5e", flops=197e12, memory_bandwidth=819e9, link_bandwidth=50e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
-        scatter_by_sum_lanes=128, memory_bytes=16 * 10**9,
+        scatter_by_sum_lanes=128, scatters_only=TPU_SCATTERED,
+        memory_bytes=16 * 10**9,
         levels=(LinkLevel("ici", 256, 100e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, "
                "400 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus (50 GB/s each "
@@ -241,7 +252,8 @@ PROFILES: dict[str, Hardware] = {
     "tpu_v6e": Hardware(
         "tpu_v6e", flops=918e12, memory_bandwidth=1638e9, link_bandwidth=100e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
-        scatter_by_sum_lanes=128, memory_bytes=32 * 10**9,
+        scatter_by_sum_lanes=128, scatters_only=TPU_SCATTERED,
+        memory_bytes=32 * 10**9,
         levels=(LinkLevel("ici", 256, 200e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s bf16, 32 GB HBM at "
                "1,638 GB/s, 800 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus "

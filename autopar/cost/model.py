@@ -237,14 +237,19 @@ def scattered_by_sum(hw: Hardware, n: int, mesh: MeshShape, tensor: Tensor | Non
                      spec: Spec = (), axes: Sequence[str] = ()) -> bool:
     """Whether `hw`'s compiler makes a reduce-scatter over `axes` (`n` devices of `mesh`) of
     `tensor`, held as `spec`, an all-reduce of the whole result: over every device of a large
-    enough program (Hardware.scatter_by_sum_from), or where it scatters the last dimension of
-    2-byte elements leaving each device as many of them as Hardware.scatter_by_sum_lanes."""
+    enough program (Hardware.scatter_by_sum_from), of elements it does not reduce-scatter
+    (Hardware.scatters_only), or where it scatters the last dimension of bfloat16 leaving each
+    device as many elements as Hardware.scatter_by_sum_lanes."""
     if 0 < hw.scatter_by_sum_from <= n == mesh.size:
         return True
-    if not hw.scatter_by_sum_lanes or tensor is None or not spec or not tensor.shape:
+    if tensor is None:
+        return False
+    if hw.scatters_only and tensor.dtype not in hw.scatters_only:
+        return True
+    if not hw.scatter_by_sum_lanes or tensor.dtype != "bfloat16" or not spec:
         return False
     last = spec[-1]
-    return (bool(set(axes) & set(last)) and tensor.nbytes == 2 * math.prod(tensor.shape)
+    return (bool(set(axes) & set(last))
             and tensor.shape[-1] == hw.scatter_by_sum_lanes * group_size(mesh, last))
 
 
