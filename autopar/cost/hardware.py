@@ -73,7 +73,7 @@ class Hardware:
     # A reduce-scatter of bfloat16 along a result's last dimension that leaves each device
     # this many of it is an all-reduce of the whole result, sliced after. 0: never.
     # The TPU compiler does at 128, its vector lanes (libtpu 0.0.42.1: v5p 2x2x1 to 4x4x4
-    # over groups of 2 to 64 chips, v5e 2x4 and 4x4, v6e 2x4; 32, 64, 256 or 512 left, float32,
+    # over groups of 2 to 32 chips, v5e 2x4 and 4x4, v6e 2x4; 32, 64, 256 or 512 left, float32,
     # or another dimension reduce-scatter; tests/test_tpu.py). v4 is not measured (its
     # compile-only devices are cores), so 0.
     scatter_by_sum_lanes: int = 0
