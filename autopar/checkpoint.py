@@ -1,21 +1,18 @@
 """Checkpoints of a plan's sharded state (orbax), restorable into any other plan or mesh.
 
-- `save_checkpoint(path, state, plan)`: every process writes its own shards of every array
-  (orbax's StandardCheckpointer; nothing is gathered on one device), the plan's JSON in the
-  checkpoint's metadata. Orbax writes into `path.orbax-checkpoint-tmp` and renames it to `path`
-  once every shard and the metadata are written: a save cut short (a killed process, a full
-  disk) leaves no `path` behind, and the previous checkpoint stands. `wait=False` returns once
-  the arrays are copied off the devices and writes in the background; `wait_for_checkpoints()`,
-  and the interpreter's exit, wait for it.
-- `restore_checkpoint(path, like, shardings)`: every process reads the pieces its own devices
-  hold under `shardings`, whatever plan or mesh wrote them: a (2, 4) plan's state restores into
-  a (4, 2) plan, a data-parallel one, or a pipelined one and back (a pipelined plan keeps the
-  state's tree and shapes; only its shardings differ). This is MindSpore's distributed
-  checkpoint transformation, done by tensorstore's reads of array slices.
-- `checkpoint_plan(path)`: the plan saved with it, to apply again (`auto_parallel(plan=...)`).
-- `latest_checkpoint(directory)`: the newest complete checkpoint of a series saved one per step
-  (`directory/step_<n>`), cut saves left out with a warning that names them; with
-  `autopar.Preemption` (preemption.py), what a preempted job resumes from.
+- `save_checkpoint(path, state, plan=None, *, overwrite=False, wait=True)`: every process
+  writes its own shards, with the plan's JSON. `path` appears only once complete.
+  `wait=False` returns once the arrays are off the devices; `wait_for_checkpoints()` and the
+  interpreter's exit wait for the rest.
+- `restore_checkpoint(path, like, shardings=None)`: each process reads its own pieces under
+  `shardings`, whatever plan or mesh wrote them.
+- `checkpoint_plan(path)`: the plan saved with it, or None.
+- `latest_checkpoint(directory)`: (n, path) of the newest complete `directory/step_<n>`, or
+  None; cut saves left out with an AutoparWarning.
+AutoparError: no orbax; an existing `path` without `overwrite=True`; an incomplete
+checkpoint; a leaf without a sharding; `like` of another tree or shape.
+
+Design and rationale: docs/internals-planning.md, "autopar/checkpoint.py".
 """
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
 """Many processes, one program: autopar under JAX's multi-controller runtime.
 
-After `jax.distributed.initialize()` every process (one per host, usually) runs the same Python
-program and calls the same decorated step; the devices of all of them form the mesh, and each
-process feeds and reads only its own (addressable) devices. autopar keeps the processes in step:
-- **One plan.** Every process plans for itself, deterministically (nothing in planning depends
-  on time, hash seeds or the host). Before a call signature is planned the processes compare
-  what its plan depends on (versions, options, mesh, every argument's path, shape and dtype,
-  static values); after it, the plan's decisions. Each comparison is one all-gather of a digest
-  through the runtime; where one differs the texts are gathered and every process raises the
-  same AutoparError naming the input that differs, rather than compiling different programs and
-  hanging in their first collective.
-- **Equal values where equality is assumed.** A host value passed to the step (a numpy array, a
-  single-device array) is taken to be the whole array, equal on every process, as
-  `jax.device_put` assumes: the processes compare a digest of each such leaf before it is
-  placed, so a process-local batch passed as though it were global is an error naming the leaf.
-- **Process-local data.** `process_rows` says which rows of a batch this process must load for
-  a sharding, and `global_batch` makes the global arrays from what each process loaded
-  (`jax.make_array_from_process_local_data`).
-- **One writer.** Only process 0 writes plan files and warns (`is_main_process`).
+- `agree(subject, items)`: one all-gather of a digest of (name, description) items (from
+  `call_items`, `decisions_items`); where they differ, every process raises the same
+  AutoparError naming the first item that differs. In one process it does nothing.
+- `place_everywhere(leaves, shardings, moves, paths)`: the leaves as global arrays; host values
+  (`is_host_value`) only after the processes agree they are equal.
+- `process_rows(sharding, rows)`: the rows of a batch this process must load.
+- `global_batch(local, shardings, global_shapes=None)`: global arrays from what each process
+  loaded. Both raise AutoparError for a sharding other than a NamedSharding, `global_batch`
+  also for a leaf that does not fit it.
+- `is_main_process()`: process 0, the only one that writes files.
+
+Design and rationale: docs/internals-planning.md, "autopar/distributed.py".
 """
 from __future__ import annotations
 

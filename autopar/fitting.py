@@ -1,25 +1,16 @@
 """A memory-limited plan checked against what XLA compiles.
 
-The memory estimate is within about 15% of XLA CPU's `memory_analysis` (docs/decisions.md),
-and its error near `memory_limit` goes either way. So a plan whose estimate is within that
-band of the limit (UNCALIBRATED_BAND for a platform whose buffer model is not calibrated) is
-compiled before it is used, and the compiler's figure (autopar.cost.hlo.compiled_memory_bytes)
-decides:
-- over the limit: planned again for the estimate that, off by as much, would fit (at most
-  COMPILE_CHECKS times);
-- the plan made with no limit, where its estimate is close: kept if XLA fits it, since it is
-  faster than any leaner plan;
-- where it misses by no more than NEAR_MISS, the same plan lowered with its inputs' and
-  outputs' shardings alone, XLA's propagation placing the rest, is kept if it fits and is
-  judged no slower (`_propagated`);
-- where it does not fit, XLA's figure for it says how far the estimate reads over: the plan
-  for the estimate that, off by as much, fills the limit is kept if XLA fits it and it is
-  faster than the budget's.
-The plan made with no limit is compiled only where its estimate is close to the limit, or where
-the budget's plan is predicted COSTLY_BUDGET times slower than it: then the compile is worth
-its time. dynamic_programming's proof of the budget's answer (planning/budget.py) waits until
-that plan is ruled out: the step is planned without it, and planned again with it, the price
-rounds remembered (Planning.attempts), only where the budget's plan is the one to run.
+`fitted(planned, memory_limit, make, compiled_of)` returns the step's signature for the plan
+to run under `memory_limit`, starting from the budgeted search's plan (`planned`). That plan
+is compiled where its estimate is within the estimate's error of the limit (CHECK_BAND; on a
+platform whose buffer model is not calibrated, UNCALIBRATED_BAND, or wherever the budget
+binds), and XLA's figure decides. A compiled plan returned fits the limit by that figure
+(`memory["compiled_bytes"]`, `search_stats.compile_checks`). Where the budget bound, a faster
+plan that XLA fits may be returned instead. It raises AutoparError where the plan still
+compiles over the limit after COMPILE_CHECKS plans for smaller estimates, or where planning
+for a smaller estimate fails.
+
+Design and rationale: docs/internals-planning.md, "autopar/fitting.py".
 """
 from __future__ import annotations
 

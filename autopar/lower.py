@@ -1,28 +1,18 @@
 """Lowering: re-run the traced program under jax.jit with the plan pinned.
 
-Input shardings alone leave XLA's propagation free to pick other strategies for the
-intermediates, so the plan is pinned with `with_sharding_constraint`s: every operand whose
-required sharding differs from how it was produced (a resharding point, pinned on both sides),
-and every result, except an elementwise result sharded as all its operands of its shape and
-read as it is: XLA's propagation carries that sharding through unasked. Those were two thirds
-of a 4-layer GPT's constraints (1,715 of 2,478); dropping them changed nothing XLA compiled
-and cut its compile time. Left off at resharding points too, they let XLA move a MoE router's
-softmax onto the token-split layout of a consumer (12 more all-gathers). The interpreter binds
-each equation's primitive as `jax.core.eval_jaxpr` does, inserting the constraints between
-equations. A scan runs as a while loop over its body's steps, every result inside it pinned
-(autopar/lower_loop.py). A plan with `Decisions.pinned_inside` False is lowered with jax.jit's
-input and output shardings alone (fitting._propagated).
+- `jit_step(graph, decisions, mesh, out_specs)`: the jitted flat step, its inputs and outputs
+  sharded as planned, the inputs in `graph.donated` donated.
+- `interpreter(...)`: the function it jits: each equation bound in turn, with
+  `with_sharding_constraint`s at every resharding point and on every result XLA's
+  propagation would not carry as planned. A scan the plan splits runs as a pinned while loop
+  (lower_loop.py). With `Decisions.pinned_inside` False, only inputs and outputs are pinned.
+  Recomputed steps (`Decisions.recompute`, and the user's own) run again in the backward
+  pass, behind an `optimization_barrier`.
+- `explicit_collectives`, `bind_explicit`: partial sums XLA would not reduce as planned,
+  written out under shard_map.
+Nothing here raises an error of its own.
 
-Recomputed steps (`Decisions.recompute`, forward equations of layers the plan rematerialises)
-run twice: in the forward pass as usual, and again when the backward pass first reads one of
-their results. The second run reads its inputs through an `optimization_barrier` that also holds
-a value of the backward pass, as `jax.checkpoint` does: XLA can neither merge the two runs nor
-hoist the second one into the forward pass, so the forward results die early.
-
-The user's own recomputations (`Equation.remat`: the backward pass of jax.checkpoint / nn.remat,
-inlined by the tracer) are kept apart the same way, as JAX lowers them: everything such a body
-reads from outside goes through one optimization barrier, with a backward value among them, so
-XLA cannot merge the recomputation with the forward pass that computed the same values.
+Design and rationale: docs/internals-planning.md, "autopar/lower.py".
 """
 from __future__ import annotations
 
@@ -87,7 +77,7 @@ class _Lowering:
     def carried(self, step: Equation, t: int, read_as: list[tuple[tuple[int, ...], Spec | None]]
                 ) -> bool:
         """Whether XLA's propagation gives result `t` of `step` its planned sharding unasked
-        (see the module's docstring)."""
+        (docs/internals-planning.md)."""
         if step.eqn is None or step.eqn.primitive.name not in ELEMENTWISE or t in self.resharded:
             return False
         alike = [spec for shape, spec in read_as if shape == self.graph.tensors[t].shape]

@@ -1,21 +1,16 @@
 """Lowering a loop (a `scan`) under the plan: a while loop whose every value is pinned.
 
-Bound as a `scan`, a loop is pinned only where it starts and ends, and XLA places the rest: the
-carries, each iteration's values, and the buffers the iterations stack their results into, and
-where its placement differs from the plan (stacked residuals split over slow links, then
-gathered) the compiled step can move ten times the bytes planned. Run here as a `while_loop`
-over the body's own steps, each constrained as planned (results too, see
-`_Lowering.run_step`; reduce-scatters written out as in the program), with the carries and
-the stacking buffers pinned to the plan's specs, the step compiles to what was planned
-(docs/decisions.md, "Loops compiled as planned", has both programs' figures).
+- `run_loop(lowering, step, values, p)`: the scan's results (carries, then stacked results),
+  computed by a `while_loop` over the body's own steps, each constrained as planned, the
+  carries and stacking buffers pinned to the plan's specs. A recomputation in the body reads
+  values from outside it through one optimization barrier.
+- `pinnable_loop(graph, step)`: whether `step` is a scan with a recorded body and no PRNG
+  keys among its results.
+- `sharded_inside(lowering, step)`: whether the plan splits any value of the loop.
+- `remat_inputs(graph, steps)`: what each recomputation reads from outside it.
+lower.py uses `run_loop` only where both hold. Nothing here raises an error of its own.
 
-A body holding a recomputation (jax.checkpoint inside the loop, the backward loop of an
-nn.scan over nn.remat blocks) is pinned too: each recomputation reads what it takes from
-outside it through one optimization barrier, as JAX lowers a checkpoint. Bound as a scan, its
-values were XLA's to place: in a pipelined stage it moved a bias from the stage axis onto the
-feature axis inside the recomputation, a resharding it could only do by replicating
-("Involuntary full rematerialization", XLA CPU, jax 0.10.2). A loop stacking PRNG keys is
-bound as a scan (its buffers would start from zeros, which keys have not).
+Design and rationale: docs/internals-planning.md, "autopar/lower_loop.py".
 """
 from __future__ import annotations
 
@@ -53,7 +48,7 @@ def sharded_inside(lowering: Any, step: Equation) -> bool:
 
 def run_loop(lowering: Any, step: Equation, values: list, p: dict) -> list:
     """The scan `step`'s results (its carries, then its stacked results) on `values`, its
-    operands, computed by a pinned while loop (see the module's docstring). `lowering`: the
+    operands, computed by a pinned while loop (docs/internals-planning.md). `lowering`: the
     `autopar.lower._Lowering` of the program."""
     graph, spec = lowering.graph, lowering.produced.get
     steps, ids, outs = graph.loop_bodies[step.outputs[0]]

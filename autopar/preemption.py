@@ -1,27 +1,15 @@
 """Stopping for a preemption at a step boundary, every process at the same step.
 
-A cluster preempts a job by sending its processes SIGTERM, and kills them a grace period later.
-A job that wants to lose nothing saves a checkpoint in between, and every process must save the
-same step (each writes its own shards of it). `Preemption` answers, once per step, "do we stop
-here?", the same on every process:
+`Preemption(signals=(SIGTERM,))` answers once per step, the same on every process, "do we
+stop here?": `reached(step)` is True once, at the first step asked after a SIGTERM reached
+any process. In several processes (`jax.distributed.initialize`), that is the step JAX's
+preemption service agreed on, and every process must ask at every step from the same first
+step. In one process, a SIGTERM handler notices the signal, `request()` acts as one, and
+`close()` (or leaving a `with` block) puts back the previous handlers. AutoparError: made
+outside the main thread of one process; in several, JAX's preemption service off, or
+`request()` called.
 
-- In several processes (`jax.distributed.initialize`), JAX's preemption service catches
-  SIGTERM on any process and the processes agree, through the coordinator, on a step at
-  which all stop (`multihost_utils.reached_preemption_sync_point`). Each step asks a local
-  flag only: no collective is added. The service is on by default
-  (`jax_enable_preemption_service`); a Python SIGTERM handler installed after
-  `jax.distributed.initialize` would take the signal from it, so none is installed here.
-- In one process, a SIGTERM handler sets the flag (and the previous handler is put back by
-  `close()`).
-
-    preemption = autopar.Preemption()
-    for step in range(start, steps):
-        state, loss = train_step(state, batch)
-        if preemption.reached(step):
-            autopar.save_checkpoint(f"{directory}/step_{step + 1}", state, plan)
-            break                                      # exit 0: the scheduler restarts the job
-
-The restarted job resumes from `autopar.latest_checkpoint(directory)`.
+Design and rationale: docs/internals-planning.md, "autopar/preemption.py".
 """
 from __future__ import annotations
 

@@ -1,27 +1,15 @@
 """Judging a compiled program: its step time on a hardware profile, from XLA's output alone.
 
-`evaluate` reads any compiled step, ours or one written by hand with `jax.jit` shardings, the
-same way: per-device flops and bytes accessed from `cost_analysis()` as a roofline, every
-collective of the optimised HLO under the profile's alpha-beta for the link its device group
-sits on (its replica groups mapped back to mesh axes), and the memory `memory_analysis()`
-reports. It shares the hardware profile (peaks, links) with the planner and none of its cost
-formulas: a collective is priced as nccl-tests defines its bus bandwidth (its PERFORMANCE.md:
-time = S x factor / bus bandwidth, S the operation's size, factor 2(n-1)/n for all-reduce,
-(n-1)/n for all-gather, reduce-scatter and all-to-all), plus the link's latency once (a
-profile's latency is that of one collective). Where the planner's formulas differ (it prices
-an all-to-all at half of nccl-tests' figure), a plan made for them is graded by these. The
-TPU suite is judged by benchmarks/judge.py, which imports nothing of autopar and charges a
-latency per step of a ring.
+`evaluate(compiled, mesh, hardware=None)` (`autopar.evaluate`) takes any jax `Compiled` or
+`Lowered`, autopar's or one sharded by hand, the mesh it was compiled over, and a profile (a
+name or a `Hardware`; default: jax's first device's). It returns an `Evaluation` per device
+and step: flops and bytes accessed (cuBLAS and cuDNN calls and every loop trip included), their
+roofline time, each collective as a `JudgedCollective` priced by `bus_time` (nccl-tests' bus
+bandwidth, plus the link's latency), and the compiled memory. `step_s` adds compute and
+collectives: they are taken not to overlap.
+It raises an AutoparError for an unknown profile, or a program naming a device the mesh lacks.
 
-Two things `cost_analysis` leaves out are read from the optimised HLO: the flops and bytes of
-the matrix products and convolutions XLA GPU hands to cuBLAS and cuDNN (autopar.cost.xla.gpu),
-and every trip of a loop after the first (autopar.cost.loop_work; it counts a body once).
-Collectives are counted per trip too.
-
-What it does not see: collectives and compute are taken not to overlap; kernel launches (a
-step of many small kernels runs slower than its roofline); and the figures are those of the
-platform the program was compiled for (simulated CPU devices compile through XLA's CPU
-pipeline, whose fusion and layout differ from GPU and TPU).
+Design and rationale: docs/internals-steps.md, "autopar/cost/judge.py".
 """
 from __future__ import annotations
 
@@ -47,7 +35,8 @@ SIZE_PER_RESULT = {"reduce-scatter": lambda n: n}
 
 def bus_time(kind: str, result_bytes: float, n: int, link: Link) -> float:
     """Seconds of one collective of `kind` over `n` devices on `link` (bandwidth, latency),
-    from the bytes of its result on one device, by nccl-tests' definitions (see the module)."""
+    from the bytes of its result on one device, by nccl-tests' definitions
+    (docs/internals-steps.md)."""
     if n <= 1:
         return 0.0
     size = SIZE_PER_RESULT.get(kind, lambda k: 1)(n) * result_bytes

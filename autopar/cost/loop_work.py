@@ -1,19 +1,15 @@
 """The work of a loop's other trips, read from the optimised HLO.
 
-XLA's `cost_analysis()` counts a while loop's body once, whatever its trip count, so a scanned
-stack's layers count once of L, and a judge reading it rates a loop faster than its unrolled
-twin where it runs slower (benchmarks/results/device.md; docs/decisions.md, "One real GPU").
-`extra_trips_work` gives what the other trips add, so that a judged loop costs what it runs:
-for every computation XLA runs n > 1 times per step (a loop body, and what it calls, with
-`known_trip_count`; hlo.executions), n - 1 times
-- its flops: dots and convolutions (2 x result elements x contraction length), cuBLAS and
-  cuDNN calls (autopar.cost.xla.gpu), elementwise arithmetic (an operation per result
-  element) and reductions (one per reduced element), after XLA's HloCostAnalysis;
-- its bytes accessed: every operand and result of the body's own instructions (a fusion reads
-  its operands and writes its result; what runs inside a fusion stays in registers), a
-  simpler count than cost_analysis's (no per-operand utilisation but for slices).
-Checked against XLA's own count of the same loops unrolled: flops equal (to 1e-7 forward, 8%
-over backward), bytes from 3% over to 1.8x (tests/test_judge.py, docs/decisions.md).
+`extra_trips_work(hlo_text)` takes a compiled program's optimised HLO text. It returns
+(flops, bytes accessed) that the trips after the first add per step: n - 1 times the work of
+every computation XLA runs n > 1 times (a loop body, and what it calls, with
+`known_trip_count`); (0.0, 0.0) where none does. `cost_analysis()` counts a body once, so the
+two added give a loop's whole work. Flops are counted as XLA's HloCostAnalysis counts them
+(`instruction_flops`); bytes are every operand and result of the body's own instructions
+(`shape_bytes`), not those inside a fusion.
+Nothing here raises an AutoparError.
+
+Design and rationale: docs/internals-steps.md, "autopar/cost/loop_work.py".
 """
 from __future__ import annotations
 

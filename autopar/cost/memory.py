@@ -1,31 +1,17 @@
 """Per-device memory of a plan: a liveness walk over the program as XLA will buffer it.
 
-What the walk assumes of XLA (each rule checked against `memory_analysis()` of compiled plans;
-the rules that the program's equations do not show are in autopar.cost.xla.cpu, and
-docs/decisions.md has the measurements):
-- Chains of elementwise and layout operators fuse into their reader, so their results get no
-  buffer of their own, unless a reader cannot fuse them (a dot, a convolution, a loop), the
-  backward pass keeps them, or several operators read them. A transpose of a dot's result is
-  the dot's own buffer; a scatter into zeros that a sum alone reads scatters into the sum,
-  unless the sum reads it resharded.
-- Arguments stay live for the whole step. The state is donated: a returned state that keeps its
-  input's sharding reuses the input's buffer, after a copy where a reader of the old value is
-  not ordered before the update. The copies are made first, and the input's buffer holds other
-  buffers until the update. Other results are counted whole.
-- An intermediate lives from its producer to its last reader; a fused reader reads at the end of
-  its own fused chain. The steps that read only inputs run first (after the copies), the
-  optimizer's as soon as their inputs are ready.
-- A resharded operand costs, at the operator that needs it, its collectives' results
-  (cost.resharding.reshard_sequence) and the result; a slice with no collective is made as soon
-  as its value is, which is then freed unless read whole, and so is an activation resharded
-  and transposed for the weight gradient. A dot or convolution whose dimensions XLA reorders
-  costs a transposed copy of the operands it reorders.
-- A recomputed layer keeps its forward results only as long as the forward pass reads them; the
-  backward pass recomputes them when it first needs them.
+- `plan_memory(graph, decisions, mesh, model)`: the `MemoryEstimate` of `decisions` (with
+  their recomputed steps) as `model`'s compiler buffers them: the peak, what is live then by
+  kind (parameters, optimizer state, other inputs, activations kept for the backward pass,
+  gradients, temporaries), and the largest buffers.
+- `memory_json(m, model, limit=None)`: the estimate as the plan records it (`plan.memory`).
+- `kept_bytes(graph, decisions, mesh)`: the search's additive model of memory.
+- `operand_reshards`, `loop_body_collectives`, `all_reduce_steps`: the reshardings and
+  all-reduces the walk charges.
+- `parse_bytes(value)`: bytes from a number or a string like '2GiB'; an AutoparError for a
+  number that is not positive or a string it does not understand.
 
-The estimate is what the plan records (`plan.memory`): the peak, and what is live at the peak by
-kind (parameters, optimizer state, other inputs, activations kept for the backward pass,
-gradients, temporaries), with the largest buffers live then.
+Design and rationale: docs/internals-steps.md, "autopar/cost/memory.py".
 """
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
 """A Python loop's layers stored stacked on their stages between steps
 (`auto_parallel(..., pipeline=S, keep_placement=True)` on a loop of blocks).
 
-A loop of blocks (blocks.py) keeps each layer's weights as the user's own leaves, and the
-pipeline reads them stacked [L, ...]: every step the leaves are stacked (each moves to the
-stage that runs it) and the stack's gradient is split back into one leaf per layer, which the
-optimizer then updates leaf by leaf. An array lives on the whole mesh, so a leaf of one layer
-cannot stay on its stage; only a stack split over 'stage' can. Storing the layers stacked
-means rewriting the step: the L per-layer chains of the optimizer (layer i's parameter, its
-moments and its gradient, through the same equations) become one chain over the stacks.
+- `traced_lanes(fn, args, donated, platform)`: the step traced over its layers stacked, as a
+  `StackedTrace`; None where no family can be stored. A family that cannot be stored stays the
+  user's leaves, stacked every step, and an AutoparWarning says why. Nothing raises.
+- `stacked(...)`: the step over the stacks, and its `Lanes`: which user leaves each stacked
+  input and output holds.
+- `LayerRow`: a row of a stored stack. A stored state is the user's tree, a family's leaves
+  as `LayerRow`s, wrapped in `Placed` (stored.py): passed back as it came, each family
+  is its stack again, with no copy. `autopar.unpack` gives the user's leaves.
 
-The rewrite works on the step's jaxpr, as a vectoriser does (vectorise.py): the per-layer
-inputs that can be kept stacked are found there, and the step is traced again over them.
-
-The stored state is the user's tree with a family's leaves as rows of their stack
-(`LayerRow`), wrapped in `Placed` (stored.py): passed back as it came, each family is its
-stack again, with no copy; `autopar.unpack` gives the user's leaves.
+Design and rationale: docs/internals-steps.md, "autopar/placement/lanes.py".
 """
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """The vectoriser behind keep_placement on a Python loop (lanes.py): which of a step's
 per-layer inputs can be kept stacked, and the step evaluated over the stacks.
 
-A *family* is L inputs of the step that are one layer each: those the loss stacks (a `stack`
-of L inputs), and the other inputs at the same paths with the layer's key changed (optax's
-moments of those weights). A family's inputs are *lanes* of one stack, as are the outputs of
-an `unstack` (the stack's gradient, split). An equation reading lanes of index i only (and
-values shared by every layer) is one of a *group*: the equations with the same primitive,
-parameters, lane stacks and shared operands. A group with a member for every layer runs once,
-vmapped over the stacks; its results are lanes of new stacks. Anything else reads a lane as
-the stack's row, which costs that row's move (a global norm's per-layer sums, say: a scalar
-each). Groups found incomplete are broken and the search runs again until nothing changes; a
-family one of whose lanes is read as a row, or whose next value is not one stack's lanes in
-order, is not stored and the search runs again: what is left is stored, and the rest is the
-step as written.
+- `find_lanes(closed, paths, pairs)` takes the step's jaxpr, its inputs' key paths and its
+  state pairs (output -> input). It returns the families that can be stored, the `LaneSearch`
+  that stores them (None where none can), and why each other family cannot. A family is
+  refused where a layer of it is read on its own, or its next value is not one stack's lanes
+  in order.
+- `StackedRun(closed, search, inputs, outputs).run(args)`: the step's outputs, computed over
+  the stacks; a stored family's come back as one stack.
+Nothing raises: lanes.py warns of refused families.
+
+Design and rationale: docs/internals-steps.md, "autopar/placement/vectorise.py".
 """
 from __future__ import annotations
 

@@ -1,17 +1,16 @@
 """The device half of the double recursion: one mesh axis at a time.
 
-Each round adds one axis (largest first) to the mesh planned so far and lets every deciding
-operator choose only which factor that axis splits, keeping what earlier rounds chose. A round's
-problem therefore has a handful of strategies per node whatever the device count, and the graph
-half (`search.recursive_programming`: heaviest operator first, then coordinate descent) solves
-it in time linear in the graph. Where a round's problem is narrow enough for exact elimination
-with small tables (it usually is: a handful of strategies per node), the round is solved
-exactly instead. The rounds together are not the optimum of the whole mesh: what an early
-round decided stays. Where the first round splits nothing, all axes taken as one are tried as
-well (`_merged_rounds`). Inside a whole-mesh problem the same restrictions serve
-dynamic_programming's bounded search: one axis at a time, all axes as one, two neighbouring
-axes as one (`rounds_within`, `merged_within`, `paired_within`). Any mesh shape works: axes
-of any size, indivisible dimensions are never offered to an axis that does not divide them.
+- `solve_recursive(graph, mesh, hw, pinned, ...)`: plans `graph` one axis per round, largest
+  first (`axis_order`), keeping what earlier rounds chose. It returns a Recursion: the last
+  round's problem and solution, `exact` only for one round solved exactly. The rounds
+  together are not the optimum of the whole mesh.
+- `solve_round(graph)`: the exact answer where tables stay within ROUND_TABLE_LIMIT, else
+  the greedy one, and which it is.
+- `rounds_within`, `merged_within`, `paired_within`: inside a whole-mesh problem, one axis at
+  a time, all axes as one, or two neighbouring axes as one; indexed like its strategies.
+Any mesh shape works. Nothing here raises an error of its own.
+
+Design and rationale: docs/internals-planning.md, "autopar/planning/axes.py".
 """
 from __future__ import annotations
 

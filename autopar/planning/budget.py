@@ -1,39 +1,14 @@
 """Planning within a memory budget: a price on memory, then recompute, then a clear refusal.
 
-The search minimises time. When its plan does not fit `memory_limit`, every byte a strategy
-keeps per device (the step's inputs, activations and gradients) is charged a price in seconds,
-a Lagrange multiplier, and the search runs again: the price rises eightfold until the plan fits,
-then lower prices are tried, and the fastest fitting plan found wins. Below the price that fits,
-where exact searches found the plans either side, the next price is the one at which they cost
-the same (time plus price times kept bytes): a plan found there that costs less lies between
-them and narrows the bracket; one that does not shows none does, as an exact search's plans
-lie on the lower convex hull of (kept bytes, time). Otherwise the prices are bisected.
-Charged for memory, the search shards what it would have replicated: optimizer state and
-gradients along the data axis first (their reduce-scatter costs what the all-reduce did), then
-parameters (FSDP), then activations. recursive_programming, charged heavily, splits memory first.
+`plan_within(attempt, graph, mesh, limit, buffers, prove=False)` returns the fastest
+candidate `attempt` finds whose peak, estimated with the buffer model `buffers`, fits `limit`
+bytes per device. With no limit, or where the plan at no price fits, that plan is returned.
+Otherwise `attempt` is called again with a price on each kept byte, then with layers
+recomputed. With `prove` (dynamic_programming), `attempt` also takes a cap on kept bytes, and
+the answer is proven fastest under a cap where it can be. Where no plan fits, it raises
+MemoryLimitError (`nothing_fits`): the least memory found and what fills it.
 
-The price charges the bytes a plan keeps (memory.kept_bytes), and whether it fits is its
-peak: a higher price can find a plan keeping fewer bytes and more temporaries at its peak. So
-where the first price does not fit, prices below it are tried too (the mixture of experts
-within 2.91 GiB on 8 x 8 v5p chips that showed it: docs/decisions.md, "What the TPU compiler
-adds before it reduces").
-
-A price finds only the plans on the convex hull of (time, memory); the fastest fitting plan
-may lie above it. With dynamic_programming, where exact tables fit, the price search's answer
-is then improved and proven: branch and bound (search.constrained) finds the fastest plan whose
-kept bytes (memory.kept_bytes, the additive model the price charges) are at most the answer's,
-and bisection raises that cap towards the kept bytes of the fastest plan that did not fit,
-keeping the largest cap whose proven plan fits the limit. The proof is about the kept-bytes
-model; whether a plan fits is the liveness estimate's verdict (docs/decisions.md).
-
-When the price stalls (a rise of 8x lowers the peak by under 5%: activations a price cannot
-shard away) or no price makes the plan fit, the backward pass recomputes layers (those keeping
-the most activations first) until the leanest plan fits, and the prices are searched again with
-those layers recomputed, from the price of that plan. After a stall the plain prices then go
-on rising only while their plans stay faster than the fastest that fits with recompute: an
-exact search never finds a faster plan at a higher price (for an inexact one that is
-assumed). When even that does not fit, an AutoparError gives the
-least memory found and what fills it.
+Design and rationale: docs/internals-planning.md, "autopar/planning/budget.py".
 """
 from __future__ import annotations
 
@@ -110,7 +85,7 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
         # Prices alone stalled or failed: recompute layers, planned from the leanest plan yet.
         # After a stall, from the price that plan was found at, and the plain prices go on
         # rising only while their plans stay faster than the fastest that fits with recompute
-        # (module doc).
+        # (docs/internals-planning.md).
         lean_price, lean = _leanest(tried)
         recompute = _layers_to_recompute(graph, lean.decisions, lean.peak_bytes, mesh, limit,
                                          buffers)
@@ -171,8 +146,8 @@ class _Prices:
 
     def settle(self) -> tuple[float, Candidate]:
         """After a rise that fits: where the branch's first price did not (and `descend`), try
-        the prices below `start`, else lower prices below the one that fits (module doc); the
-        fastest that fits."""
+        the prices below `start`, else lower prices below the one that fits
+        (docs/internals-planning.md); the fastest that fits."""
         hi, above = self.fits[-1]
         for j in range(1, DESCENTS + 1 if self.k > 1 and self.descend else 1):
             c = self.trial(self.start / 8.0 ** j)
@@ -223,8 +198,9 @@ def _proven(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int,
             recompute: frozenset, fitting: Candidate, tried: list) -> Candidate | None:
     """The proven fastest candidate under the largest kept-bytes cap tried whose plan fits
     `limit`, starting at the kept bytes of `fitting` (the price search's answer) and bisecting
-    towards the least kept bytes among the faster plans that did not fit (module doc). None
-    where the search cannot prove (tables too large) or the first proven plan does not fit."""
+    towards the least kept bytes among the faster plans that did not fit
+    (docs/internals-planning.md). None where the search cannot prove (tables too large) or the
+    first proven plan does not fit."""
     lo = kept_bytes(graph, fitting.decisions, mesh)
     over = [kept_bytes(graph, c.decisions, mesh) for _, c in tried
             if c.peak_bytes > limit and c.decisions.recompute == recompute]

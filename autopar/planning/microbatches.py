@@ -1,28 +1,17 @@
-"""How a step's gradient accumulation is planned: how many microbatches (`microbatches=M`, or
-"auto": the fewest whose plan fits the memory limit), and whether the microbatches run as
-shares reduced once after the loop (`groups`, see accumulate.py) or reduce in each one.
+"""How a step's gradient accumulation is planned: how many microbatches, and where they reduce.
 
-The step is planned first with M microbatches reducing in each. Where that plan splits the
-batch over G device groups (or, where it keeps the batch whole, the step planned in one batch
-does), the step is traced again with G shares per microbatch and planned on the same mesh,
-and the grouped plan is kept where it is estimated no slower and fits: its loop holds no
-gradient reduction, and it keeps one gradient per device for the whole loop (the carry of
-per-share sums), where a plan that shards the gradients (ZeRO) could keep less.
+- `check_microbatches(microbatches)`: AutoparError unless it is a positive int or "auto".
+- `weigh_microbatches(call, microbatches, batch_argnums, shape, limit, stages=1, repeats=1)`:
+  a search of schedules (driver.Weighing) that plans the step on `shape` within `limit` with
+  `microbatches=M`, or for "auto" with the fewest whose plan fits. They run as shares reduced
+  once after the loop (`groups`, see accumulate.py) where that is estimated no slower and
+  fits; else each reduces, and search_stats.reduced_per_microbatch says why. With `stages`,
+  the layer stack is pipelined (gpipe.py).
+- `fewest_fitting(plan_with, microbatches, call, batch_argnums)`: the plan and the counts
+  tried; for "auto", MemoryLimitError where no count fits.
+- `batch_groups(plan, positions)`: the device groups a plan splits the batch over.
 
-A pipeline whose mesh has one axis besides 'stage' is planned the other way round, shares
-first (G is that axis's size, known without a plan). Where the shares' plan splits every
-matrix product of the loop over that axis and its loop computes longer than it communicates,
-it is kept and the microbatches reducing in each are not planned: planning both doubled a
-schedule's planning time, and their program's layouts are the shares' with the shares kept
-together, which the shares' search weighed. Otherwise the microbatches reducing in each are
-planned and the two compared as above: where some product runs whole on each device of the
-axis, the shares' copies of work repeat each other; where the plan is bound by its links,
-leaving the axis idle may be faster, and the shares' search does not always find that. Only
-the loop's own operators are weighed: what runs outside it (a Python loop's layers stacked
-every step, the optimizer) costs the same either way, and counting it would plan a step
-bound by its links outside the loop twice to keep the shares all the same (both measured in
-docs/decisions.md, "A pipeline's ticks pin the stage dimension alone; shares planned
-first").
+Design and rationale: docs/internals-planning.md, "autopar/planning/microbatches.py".
 """
 from __future__ import annotations
 
@@ -103,7 +92,7 @@ def _stage_shares_first(call: Call, microbatches: int | str,
                         ) -> Generator[Ask, Any, Shares | None]:
     """A pipeline on a mesh with one axis of G > 1 devices besides 'stage': the step with G
     shares per microbatch planned on it, and whether to keep it without planning the
-    microbatches reducing in each (see the module's docstring), or why it could not be
+    microbatches reducing in each (docs/internals-planning.md), or why it could not be
     planned; None where the shares are not planned first."""
     if stages == 1 or not isinstance(shape, MeshShape) or not isinstance(microbatches, int):
         return None

@@ -1,26 +1,15 @@
-"""`pipeline="auto"`: the schedule chosen with the plan. The step is planned without a pipeline
-and as S GPipe stages over M microbatches, and the plan the cost model estimates fastest
-among those that fit `memory_limit` is kept.
+"""`pipeline="auto"`: the schedule chosen with the plan.
 
-What is weighed:
-- no pipeline, with the microbatches asked (by default "auto": one batch where it fits, else
-  the fewest microbatches that fit, gradient accumulation alone);
-- every stage count S > 1 the mesh offers: the size of its 'stage' axis, or, for a device
-  count, each divisor of the count, the rest of the devices one 'data' axis behind it;
-- for each S, the microbatches asked, or M = 2S, 4S, 8S (those that divide the batch), in that
-  order until one more is estimated slower than the one before: a larger M shrinks the
-  bubble, (S-1)/(M+S-1), and each microbatch's activations, while each tick's fixed costs
-  (latencies, small products) grow with the tick count;
-- at that S and M, the circular schedule with R = 2, 4, ... rounds (the repeats asked, where
-  more than 1), while R S divides the stack and the estimate falls: the bubble shrinks to
-  (S-1)/(R M+S-1) while the shifts between stages grow R times and the layers move into the
-  circular placement every step.
-The stack's layers are split evenly, L/S consecutive layers per stage: the stack repeats one
-layer, so every stage does the same work and an even split is the balanced one.
+`weigh_schedules(call, microbatches, batch_argnums, shape, limit, pipeline, repeats=1)` is a
+search of schedules (driver.Weighing). For a stage count given, it is `weigh_microbatches`.
+For "auto", the step is planned without a pipeline and as S GPipe stages over M
+microbatches, and the plan the cost model estimates fastest among those that fit `limit` is
+kept. Each candidate traces the step again and searches it, so "auto" plans several times the
+work of one schedule; `search_stats.schedules_tried` lists every candidate with its estimate,
+or why it was left out. Where no schedule can be planned, it raises MemoryLimitError (where
+one failed for memory) or AutoparError, naming why each was left out.
 
-Each candidate traces the step again and searches it, so "auto" plans several times the work
-of one schedule; `search_stats.schedules_tried` lists every candidate with its estimate, or
-why it was left out.
+Design and rationale: docs/internals-planning.md, "autopar/planning/schedules.py".
 """
 from __future__ import annotations
 
@@ -45,7 +34,7 @@ def weigh_schedules(call: Call, microbatches: int | str, batch_argnums: int | Se
                     repeats: int = 1) -> Weighing:
     """The search of schedules (driver.Weighing) for the options asked: `weigh_microbatches`
     for a stage count given, or for pipeline="auto" the fastest estimated schedule that fits
-    (see the module's docstring). Each schedule is added here."""
+    (docs/internals-planning.md). Each schedule is added here."""
     if pipeline != "auto":
         return (yield from weigh_microbatches(call, microbatches, batch_argnums, shape, limit,
                                               pipeline, repeats))

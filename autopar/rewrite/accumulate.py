@@ -1,31 +1,17 @@
 """Gradient accumulation: the loss's gradient over microbatches, in one loop inside the step.
 
-`auto_parallel(..., microbatches=M)` runs the step's `autopar.value_and_grad` (or
-`autopar.grad`) on M microbatches one after the other, adding up their losses and gradients,
-so that only one microbatch's activations are live at a time. Everything else in the step (the
-optimizer's update, say) runs once, on the sums. Outside `auto_parallel` the two functions are
-`jax.value_and_grad` and `jax.grad`.
+- `value_and_grad`, `grad`: `jax.value_and_grad` and `jax.grad` outside `auto_parallel`. Under
+  `microbatches=M` they give the full batch's loss and gradient, computed one microbatch at a
+  time (microbatch j: examples j, j+M, ...).
+- `step_of`, `accumulating`: the step with its value_and_grad accumulated as its `Schedule`
+  says, and pipelined where it has stages (gpipe.py).
+- `batch_size(args, batch, m)`: the batch arguments' one batch size.
 
-The sums equal the full batch's loss and gradient, not only for a mean over examples. The loss
-is traced twice, at the full batch and at one microbatch (`separable.py` compares the two):
-- what the loss computes from the batch alone and sums over it (a token count for a masked
-  loss, say) is computed once, at the full batch, and used in every microbatch;
-- random numbers drawn per example (dropout) are drawn once for the full batch and sliced;
-  inside a loop, each microbatch draws its own examples' bits of the full draw (draws.py);
-- constants that depend on the batch size (the 1/B of a mean) are taken from the full trace.
-A loss that cannot be written as a sum over microbatches (batch statistics, in-batch negatives)
-is refused with the operation that makes it so.
+They raise an AutoparError for a loss that is not a sum over microbatches (naming the
+operation), a step that calls `autopar.value_and_grad` never or twice, a value_and_grad not run
+for a microbatch, and batch leaves of different sizes or of a size M does not divide.
 
-Microbatch j holds the examples j, j+M, j+2M, ...: with the batch split over devices along its
-first dimension, each device keeps its own share of every microbatch.
-
-Reduced once. A sum over a split batch is a partial sum on each device, and a loop carry has one
-sharding, so XLA all-reduces the gradient in every iteration (M collectives of the gradient's
-size, where one would do). With `groups=G` each microbatch is computed as G shares side by side
-(vmapped), share g holding the examples that the g-th of G device groups along the batch's axes
-keeps; the loop carries one sum per share ([G, ...], split like the batch), which needs no
-reduction, and the shares are added once after the loop. G is the product of the mesh axes
-that split the batch in a plan made first without groups (`planning/microbatches.py`).
+Design and rationale: docs/internals-steps.md, "autopar/rewrite/accumulate.py".
 """
 from __future__ import annotations
 
@@ -58,7 +44,7 @@ class _Captured(BaseException):
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
                    **options: Any) -> Callable:
     """`jax.value_and_grad`, accumulated over microbatches inside a step that
-    `auto_parallel(..., microbatches=M)` runs (see the module's docstring)."""
+    `auto_parallel(..., microbatches=M)` runs (docs/internals-steps.md)."""
     plain = jax.value_and_grad(fun, argnums, has_aux, **options)
 
     @functools.wraps(fun)
@@ -84,7 +70,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
 
 def step_of(call: Call, schedule: Schedule, batch_argnums: int | Sequence[int]) -> Callable:
     """The step autopar traces: the call's, or with its gradient accumulated and its loss's
-    layer stack pipelined as `schedule` says (see the module's docstring and gpipe.py)."""
+    layer stack pipelined as `schedule` says (docs/internals-steps.md)."""
     if not schedule.rewrites:
         return call.step()
     return accumulating(call.step(), schedule,

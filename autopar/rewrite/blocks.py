@@ -1,24 +1,16 @@
 """A Python loop of layers found in the loss's jaxpr and re-traced as one loop over stacked
 weights, so that the pipeline (gpipe.py) can run it as stages.
 
-`for block in blocks: x = block(x)` traces to L copies of the same equations, one after the
-other, each reading its own weights and the previous copy's output. `find_blocks` finds the
-longest such run: the equations' sequence repeats with some period P (same primitives, params
-and shapes), and every input of a copy is
-- computed inside the copy itself, at the same place in every copy;
-- a carry: the previous copy's value at one place (for the first copy, a value from before);
-- shared: one value from before the run, read by every copy (a mask, a constant);
-- per-layer: a distinct input of the loss in each copy (the layer's weights), or a literal
-  that differs between copies (the constant each layer folds into its dropout key: Flax
-  derives a module's key from a hash of its name);
-- a literal, the same in every copy.
-A checkpointed layer (nn.remat) is one `remat2` equation whose body holds the layer's dropout
-constant: `hoisted` first passes such integer literals to the body as operands, so that the
-copies' equations are the same and their constants per-layer literals.
-Nothing of a copy is read after the run but the last copy's carries. `rolled` re-traces the
-jaxpr with the run replaced by a `lax.scan` of the first copy's equations over the per-layer
-values stacked [L, ...]: the loop gpipe.py pipelines, and whose gradient reaches each layer's
-own weights through the stacking.
+- `find_blocks(jaxpr, min_count=2)`: the longest chain of at least `min_count` copies of the
+  same equations, as `Blocks`. In a chain a copy reads only its own values, the previous
+  copy's carries, shared values, its own inputs of the loss and literals; after the run, only
+  the last copy's carries are read. `chain` checks one run.
+- `hoisted(closed)`, `rolled(closed, blocks)`: the same function, with checkpointed calls'
+  integer literals as operands, or with the run as one `lax.scan` over the per-layer values
+  stacked [L, ...].
+Nothing raises: with no chain, `find_blocks` and `chain` return None.
+
+Design and rationale: docs/internals-steps.md, "autopar/rewrite/blocks.py".
 """
 from __future__ import annotations
 
@@ -60,8 +52,8 @@ class Blocks:
 
 
 def find_blocks(jaxpr: Any, min_count: int = 2) -> Blocks | None:
-    """The run of repeated layers covering the most equations of `jaxpr` (see the module's
-    docstring), at least `min_count` copies long; None where there is none."""
+    """The run of repeated layers covering the most equations of `jaxpr`
+    (docs/internals-steps.md), at least `min_count` copies long; None where there is none."""
     eqns = jaxpr.eqns
     signature = _signatures(eqns)
     candidates = []
@@ -86,7 +78,7 @@ def find_blocks(jaxpr: Any, min_count: int = 2) -> Blocks | None:
 
 def chain(jaxpr: Any, start: int, period: int, count: int) -> Blocks | None:
     """The run of `count` copies of `period` equations from `start` as Blocks, or None where
-    its copies are not a chain of layers (module docstring)."""
+    its copies are not a chain of layers (docs/internals-steps.md)."""
     eqns = jaxpr.eqns
     end = start + period * count
     defined: dict[Any, tuple[int, int, int]] = {}  # variable -> (copy, equation, output)
@@ -218,7 +210,7 @@ _HOISTED_FROM = {"remat2": "jaxpr", "closed_call": "call_jaxpr"}
 def hoisted(closed: Any) -> Any:
     """`closed` (a ClosedJaxpr) with the integer literals inside its calls (_HOISTED_FROM)
     passed to the calls as operands: the same function, whose repeated checkpointed layers
-    are the same equations (see the module's docstring)."""
+    are the same equations (docs/internals-steps.md)."""
     jaxpr, _ = _hoist(closed.jaxpr, inner=False)
     return closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
 

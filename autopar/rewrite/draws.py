@@ -1,16 +1,15 @@
 """Random bits drawn inside a loop (dropout in a scanned layer stack), for one microbatch.
 
-Outside loops a microbatch's random numbers are drawn once for the full batch and sliced
-(separable.py). Inside a loop the draw happens once per iteration, so the full batch's bits
-would have to be drawn for every iteration ahead of the microbatch loop, keeping the full
-batch's masks of every layer alive: what accumulation is there to avoid. Instead each
-microbatch draws exactly its own examples' bits. JAX's partitionable threefry (the default,
-`jax_threefry_partitionable`) makes bit i of a draw depend on the key and i alone:
-(b1, b2) = threefry2x32(key, (0, i)) for a draw of fewer than 2**32 bits, and a 32-bit draw is
-b1 ^ b2 (jax/_src/random/threefry2x32.py, `_threefry_random_bits_partitionable`). So the bits
-at the positions of a microbatch's examples in the full draw are computed from those positions.
-Other generators (rbg) have no such property: a step drawing with them inside a loop is
-refused.
+- `why_not_drawable(eqn)`: None where a draw can be made per microbatch, else why not. It can
+  where it is `random_bits` from one threefry key, with `jax_threefry_partitionable` on, of
+  fewer than 2**32 bits, and 64-bit only with `jax_enable_x64`. For any other draw inside a
+  loop, separable.py refuses the step with an AutoparError.
+- `bits_at(key, full_shape, shape, dim, examples, bit_width)`: the bits of
+  `random_bits(key, full_shape)` at a microbatch's positions: the full batch's examples
+  `examples` along dimension `dim`, every index along the others. They equal those positions
+  of the full draw.
+
+Design and rationale: docs/internals-steps.md, "autopar/rewrite/draws.py".
 """
 from __future__ import annotations
 

@@ -1,33 +1,15 @@
-"""Pipeline parallelism: the loss's layer stack run as S stages over M microbatches, GPipe's
-schedule, in the one program autopar plans.
+"""Pipeline parallelism: the loss's layer stack run as S stages over M microbatches (GPipe).
 
-`auto_parallel(..., pipeline=S, microbatches=M)` on a mesh with a `stage` axis of size S
-rewrites the loss that `autopar.value_and_grad` differentiates:
-- the stack is the loss's loop over layers (an `nn.scan`, a `lax.scan` over stacked weights,
-  or a Python loop of blocks rolled into one, blocks.py) whose length S divides: its
-  per-layer inputs [L, ...] are laid out [S, L/S, ...], split over the `stage` axis, so each
-  stage's devices hold L/S consecutive layers;
-- what comes before the stack (the embedding) and after it (the head, the loss) runs once, on
-  the full batch, where the `stage` axis is free to split the batch as a data axis;
-- the stack's input is cut into M microbatches (examples j, j+M, ...), and a loop of M+S-1
-  ticks runs every stage at once (vmapped over the stage dimension): at tick t stage s computes
-  microbatch t-s, and its output moves to stage s+1 for the next tick (a shift along the split
-  dimension, which XLA compiles to a collective-permute);
-- the last stage's outputs are gathered once after the loop, and `jax.value_and_grad` of the
-  whole is GPipe's backward pass (the loop transposed, the shifts reversed).
-With `pipeline_repeats=R` the schedule is circular: the stack is cut into S R chunks, stage s
-holding chunks s, s+S, ..., and each microbatch goes round the stages R times (R M + S - 1
-ticks); the stages' values move on by one rotation (primitives/rotate.py), the last stage's to
-the first, which takes it M - S ticks later (M >= S).
-Ticks where a stage has no microbatch (the bubble, (S-1)/(R M+S-1) of the stage's time) compute
-on stand-in values whose results are dropped; their inputs and weights pass through
-`bubble_cut` (ticks.py, with the rest of a tick), which zeroes their gradients there, so
-whatever they compute (a NaN from zeros, say) never reaches a gradient.
+- `check_pipeline(pipeline, microbatches, mesh, repeats=1)` raises an AutoparError unless
+  `pipeline` is "auto" or the size S of the mesh's `stage` axis, M >= 2 where S > 1, and
+  `repeats` R is a positive int, above 1 only with S > 1 and M >= S.
+- `pipelined_value_and_grad(full, probe, ...)`: the loss's outputs and gradient, its layer
+  stack pipelined. The stack (a loop over layers) must have a length S x R divides, keep
+  examples apart, carry only per-example values and leave its per-layer outputs unused; the
+  rest of the loss must be a sum over microbatches. Else: an AutoparError naming the
+  operation.
 
-The stack must keep examples apart (separable.py checks every operation of it), carry only
-per-example values, and leave its per-layer outputs unused; the rest of the loss must be a sum
-over microbatches as gradient accumulation requires. What is not so is refused with an
-AutoparError that names the operation.
+Design and rationale: docs/internals-steps.md, "autopar/rewrite/gpipe.py".
 """
 from __future__ import annotations
 
@@ -100,7 +82,7 @@ def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int],
                              args: tuple, argnums: int | Sequence[int], options: dict,
                              stages: int, microbatches: int, groups: int = 1,
                              repeats: int = 1) -> Any:
-    """The loss's value and gradient, its layer stack pipelined (see the module's docstring).
+    """The loss's value and gradient, its layer stack pipelined (docs/internals-steps.md).
     `full`, `probe`: the loss's jaxprs at the full batch and at one of its `parts`
     (`microbatches` x `groups`); `diff`: the differentiated leaves; `groups`: shares per
     microbatch (see `_pipeline`); `repeats`: the circular schedule's rounds through the

@@ -1,26 +1,18 @@
 """What the TPU compiler (libtpu, compiling for TPU topologies) does to a step's buffers.
 
-Its copies, schedule and combined all-reduces are taken as XLA's CPU compiler's (cpu.py).
-What differs, suggested by the TPU compiler's buffer dumps and checked against
-`peak_memory_in_bytes` of a few programs compiled for compile-only TPU devices (not
-calibrated: docs/decisions.md, "TPU buffer model"):
-- its fusion takes more in: a dot or convolution reads elementwise and layout chains inside
-  its own fusion, and a cheap chain read by several fusions is recomputed in each, so such a
-  value gets no buffer; an expensive one (exp, div) read by several is written once, unless
-  the backward pass reads it: then it is recomputed there, where every reader fuses it
-  (the loss's exp, from the logits the backward pass keeps anyway: libtpu 0.0.42.1 writes no
-  exp buffer for a decoder on v5e 2x4 nor for Llama-3-8B on v5p 4x4x4, docs/decisions.md);
-- its layout assignment picks the layouts dots want, so no operand is transposed into a copy;
-- a loop's body runs with its own buffer reuse: its values are held from their producer to
-  their last reader inside the body, not all together (a scanned decoder layer's backward
-  body recomputes the forward pass, and the two passes' attention matrices are not all live
-  at once);
-- inside a body, the collectives' buffers count as outside one (a layer's weights gathered,
-  a weight gradient's partial sums before their reduce-scatter), and the weight gradients'
-  dots run last, so what they read lives to the end of the body;
-- a body's conversion of its slice of a stacked input (bf16 compute on f32 weights) is one
-  conversion of the whole stack, made at the start of the step and kept until the last loop
-  that reads it.
+`TPU` (a `TpuBuffers`) is the memory estimate's BufferModel "xla-tpu", not calibrated. It is
+XLA's CPU model (cpu.py) but for these rules:
+- `value_buffers(graph)`: a fused chain whose readers all fuse it (dots and convolutions
+  included) gets no buffer, unless it is expensive, read by several readers and not kept for
+  the backward pass;
+- `fused_values(graph)`: the values an ideal fuser keeps out of memory that the TPU compiler
+  does too;
+- no operand is transposed into a copy;
+- loop bodies reuse buffers, run the weight gradients' dots last, and convert a stacked input
+  once, whole, at the start of the step.
+Nothing here raises.
+
+Design and rationale: docs/internals-steps.md, "autopar/cost/xla/tpu.py".
 """
 from __future__ import annotations
 
@@ -37,7 +29,7 @@ TPU_FUSING_READERS = FUSING_READERS | {"dot_general", "conv_general_dilated"}
 
 @per_graph
 def value_buffers(graph: OpGraph) -> ValueBuffers:
-    """The values the TPU compiler writes to buffers of their own (see the module)."""
+    """The values the TPU compiler writes to buffers of their own (docs/internals-steps.md)."""
     def written(name: str, kind: str | None, reader_names: list[str]) -> bool:
         fusing = all(r in TPU_FUSING_READERS for r in reader_names)
         if name in FUSED and kind == "activations" and fusing:
