@@ -352,6 +352,38 @@ def test_batch_statistics_and_in_batch_negatives_are_refused():
 
 
 @pytest.mark.slow
+def test_a_pooled_cnn_accumulated_equals_the_full_batch():
+    """Pooling windows over the image, not the batch: each example's values stay its own, as
+    the pooling's sharding rule says (its batch dimension passes through)."""
+    _, state, batch = models.cnn_setup(batch=16)
+    step = linen_step(models.CNN(), models.token_loss, optax.adamw(1e-3))
+    check_against_single_device(step, state, batch, autopar.make_mesh({"data": 2, "model": 4}),
+                                donate_argnums=0, microbatches=2)
+
+
+def test_what_mixes_examples_is_refused_by_its_rule():
+    """A window along the batch, a shift along it and a sort across it mix examples: their
+    rules keep the batch dimension whole, shift rows along it or sort along it."""
+    w = jnp.ones((4, 3))
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    mixers = {
+        "reduce_window_sum": lambda h: jax.lax.reduce_window(h, 0.0, jax.lax.add, (2, 1),
+                                                              (1, 1), "SAME"),
+        "pad": lambda h: jax.lax.pad(h, 0.0, ((1, -1, 0), (0, 0, 0))),
+        "sort": lambda h: jnp.sort(h, axis=0),
+    }
+    for name, mix in mixers.items():
+        def step(w, x, mix=mix):
+            return autopar.value_and_grad(lambda w: (mix(x @ w) ** 2).sum())(w)
+        with pytest.raises(autopar.AutoparError, match=f"{name}.*mixes examples"):
+            autopar.plan(step, w, x, mesh={"data": 2}, microbatches=2)
+        # along the features instead, each example keeps its own values
+        autopar.plan(lambda w, x, mix=mix: autopar.value_and_grad(
+            lambda w: (mix((x @ w).T).T ** 2).sum())(w), w, x, mesh={"data": 2},
+            microbatches=2)
+
+
+@pytest.mark.slow
 def test_clear_errors_for_what_cannot_be_accumulated():
     step, state, batch = models.mlp_setup(batch=12)  # jax.value_and_grad: autopar cannot see it
     mesh = autopar.make_mesh({"data": 2, "model": 4})

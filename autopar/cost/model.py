@@ -16,7 +16,7 @@ from typing import Mapping, NamedTuple, Sequence
 from autopar.cost.hardware import Hardware, Link, group_link
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
-from autopar.rules.kinds import FUSED, FUSING_READERS, ROTATE, SCATTER_ADD
+from autopar.rules.kinds import FUSED, FUSING_READERS, SCATTER_ADD, SHIFTING
 from autopar.rules.layout import shifts
 from autopar.trace.analysis import per_graph
 from autopar.trace.ir import Op, OpGraph, Tensor
@@ -189,7 +189,7 @@ def _shifted(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshSh
     """(axes, bytes each device sends) of the collective-permutes a pad that shifts a split
     dimension needs (rules.layout.shifts), or a rotation's: the rows that cross into the next
     device's block."""
-    if op.primitive not in ("pad", ROTATE):
+    if op.primitive not in SHIFTING:
         return []
     out = []
     spec = strategy.out_specs[0]

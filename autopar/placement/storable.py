@@ -1,17 +1,13 @@
 """Which of a traced step's leaves can be stored in the circular placement (stored.py).
 
-A leaf [L, ...] may be kept with its layers permuted only if the step does not care about
-their order: every operation that touches it, or anything computed from it along its layers,
-must treat the layer dimension as a set of independent rows, and whatever else it meets there
-must be permuted the same way. So the values that share a layer dimension with a stack's
-per-layer input are grouped (a union-find over the operators that carry dimension 0 to
-dimension 0: elementwise arithmetic, reductions over other dimensions, reshapes and
-transposes that keep it in front, broadcasts along it), through the state pairs (an input and
-the output that is its next value) and the stack's reads and their gradients' marks. A group
-is stored where nothing in it reads the layers in order: an iota or random bits along them, a
-slice, a product over them, a constant, an output that is not the next value of an input.
-Values broadcast along the layers (a scalar learning rate, zeros) are the same in any order
-and join no group.
+`storage(graph, stages, repeats)` returns a `Storage`: the stack's per-layer inputs that can be
+read from leaves stored with their layers permuted, those leaves' input and output indices,
+and for each that cannot, why (its paths and the operation that reads its layers in order). A
+leaf is stored only where every operation on it, or on what is computed from it along its
+layers, treats the layer dimension as independent rows, as the operation's sharding rule says
+(a pass-through factor that no row moves along), or reduces one value over the layers.
+
+Design and rationale: docs/internals-steps.md, "autopar/placement/storable.py".
 """
 from __future__ import annotations
 
@@ -19,12 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.rules.kinds import ELEMENTWISE, REDUCTIONS, STACK_READ
+from autopar.rules.factors import COMBINED, PASS_THROUGH, SUMMED
+from autopar.rules.kinds import ELEMENTWISE, LOOP_CARRIES, REDUCTIONS, STACK_READ, WITH_BODIES
+from autopar.rules.table import rule_for
 from autopar.trace.ir import Op, OpGraph
 
 # Elementwise, and the same in any order of rows: a loop carry is not (its rows are its
 # iterations' values).
-_ROWWISE = ELEMENTWISE - {"scan_carry", "scan_carry_out", STACK_READ}
+_ROWWISE = ELEMENTWISE - LOOP_CARRIES - {STACK_READ}
 
 
 @dataclass(frozen=True)
@@ -150,45 +148,26 @@ def _visit(graph: OpGraph, op: Op, groups: _Groups, along: set[int], uniform: se
            ) -> None:
     """Group `op`'s operands and results that share the layer dimension, or mark where it
     reads or makes one in order."""
-    shape = lambda t: graph.tensors[t].shape  # noqa: E731
     ins = [t for t in op.inputs if t in along]
     outs = [t for t in op.outputs if t in along]
     name = op.primitive
     where = f"{name} at {op.source}" if op.source else name
-    kept: list[int] = []  # operands whose dimension 0 becomes the results' dimension 0
     if name == STACK_READ:  # the read's operand, or the gradient's mark's result
         groups.read(op.outputs[0] if op.params["grad"] else op.inputs[0], op.params["index"])
         return
-    if name in _ROWWISE:
-        varying = [t for t in ins if t not in uniform and shape(t) == shape(op.outputs[0])]
-        if not varying and outs:
-            uniform.update(outs)
-            return
-        kept = varying
-    elif name in REDUCTIONS and ins:  # commutative: over the layers, the same in any order
-        if 0 in op.params.get("axes", ()):
-            return
-        kept = ins[:1]
-    elif name == "broadcast_in_dim":
-        dims = op.params["broadcast_dimensions"]
-        if ins and dims and dims[0] == 0:  # the operand's layers stay first
-            if ins[0] in uniform:
-                uniform.update(outs)
-                return
-            kept = ins[:1]
-        elif not ins and (0 not in dims or shape(op.inputs[0])[dims.index(0)] == 1):
-            uniform.update(outs)  # the same along the layers
-            return
-    elif name == "reshape" and ins and outs:
-        kept = ins[:1]
-    elif name == "transpose" and ins and op.params["permutation"][0] == 0:
-        kept = ins[:1]
-    elif name == "iota" and op.params.get("dimension") != 0:
+    if outs and _made_uniform(graph, op, ins, uniform):
         uniform.update(outs)
         return
-    if kept and outs:
-        for t in kept + outs:
-            groups.union(kept[0], t)
+    kept = _rows_kept(graph, op, ins, outs)
+    if kept is None:
+        return
+    varying = [t for t in kept if t not in uniform]
+    if kept and outs and not varying:  # rowwise from values the same in every row
+        uniform.update(outs)
+        return
+    if varying and outs:
+        for t in varying + outs:
+            groups.union(varying[0], t)
         for t in ins:
             if t not in kept and t not in uniform:
                 groups.order_matters(t, f"read with its layers in order by {where}")
@@ -196,3 +175,38 @@ def _visit(graph: OpGraph, op: Op, groups: _Groups, along: set[int], uniform: se
     for t in ins + outs:
         if t not in uniform:
             groups.order_matters(t, f"its layers in order, by {where}")
+
+
+def _made_uniform(graph: OpGraph, op: Op, ins: list[int], uniform: set[int]) -> bool:
+    """Whether `op` makes values the same in every row of the layer dimension from none that
+    vary along it: a broadcast along the layers, an iota along another dimension."""
+    name, params = op.primitive, op.params
+    if name == "broadcast_in_dim" and not ins:
+        dims = params["broadcast_dimensions"]
+        return 0 not in dims or graph.tensors[op.inputs[0]].shape[dims.index(0)] == 1
+    return name == "iota" and params.get("dimension") != 0
+
+
+def _rows_kept(graph: OpGraph, op: Op, ins: list[int], outs: list[int]) -> list[int] | None:
+    """The operands whose rows along the layers become the results' rows, each row computed
+    from its own, as `op`'s sharding rule says: their dimension 0 is one factor that passes
+    through to every such result's dimension 0, no other operand holds it elsewhere, and no
+    row moves along it. None: a reduction of one value over its layers, the same in any order.
+    [] where the layers' order matters (a loop's carry, whose rows are its iterations)."""
+    if not ins or op.primitive in LOOP_CARRIES | WITH_BODIES:
+        return []
+    rule = rule_for(op.primitive, [graph.tensors[t].shape for t in op.inputs],
+                    [graph.tensors[t].shape for t in op.outputs], op.params)
+    if rule is None or len(rule.operands) != len(op.inputs):
+        return []
+    f = rule.operands[op.inputs.index(ins[0])][0]
+    holders = [t for t, dims in zip(op.inputs, rule.operands) if f in dims]
+    if f is None or any(rule.operands[op.inputs.index(t)][:1] != (f,) for t in holders):
+        return []
+    kind = rule.kind(f)
+    if kind in (SUMMED, COMBINED):
+        return None if len(holders) == 1 and op.primitive in REDUCTIONS else []
+    if kind != PASS_THROUGH or not all(rule.results[k][:1] == (f,) for k, t in
+                                       enumerate(op.outputs) if t in outs):
+        return []
+    return holders

@@ -1,22 +1,12 @@
 """The circular schedule's layers stored in its placement between steps
 (`auto_parallel(..., pipeline_repeats=R, keep_placement=True)`).
 
-Stage s of the circular schedule holds chunks s, s+S, ... of the stack's S R chunks, which are
-not consecutive layers of a stacked leaf [L, ...]; read in layer order, the stack moves into
-that placement every step (an all-gather over 'stage') and its gradient moves back. Stored in
-placement order instead (row i of the leaf holding layer `placement_order(L, S, R)[i]`), the
-leaf split over 'stage' already gives each stage its own chunks: the pipeline reads it with a
-reshape, no collective.
+Row i of a stored leaf [L, ...] holds layer `placement_order(L, S, R)[i]`, so the leaf split
+over 'stage' gives each stage its own chunks. The step's state is returned wrapped as
+`Placed` and taken back as it came; `unpack` gives the user's own tree (for a checkpoint, for
+evaluation elsewhere). Which leaves can be stored is storable.py's.
 
-Only the stack's reads know the order. Everything else the step does to such a leaf must not
-care: the optimizer's elementwise update, sums over all layers (a global norm), values
-broadcast along the layers. So the moments, the gradient and the new parameters are stored
-the same way, and a leaf is stored only where nothing in the step reads its layers in order
-(storable.py checks every operation).
-
-The step's state then differs from the user's tree in its layer order, which must not pass
-unnoticed: it is returned wrapped as `Placed`, taken back as it came, and `unpack` gives the
-user's own tree (for a checkpoint, for evaluation elsewhere).
+Design and rationale: docs/internals-steps.md, "autopar/placement/stored.py".
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
 from autopar.plan_stats import Cost, SearchStats
 from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.rules.factors import Spec, replicated
-from autopar.rules.kinds import ROTATE
+from autopar.rules.kinds import SHIFTING
 from autopar.trace.analysis import recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 
@@ -255,7 +255,7 @@ def pipeline_detail(graph: OpGraph, plan: Plan) -> dict[str, Any]:
     ticks = repeats * plan.microbatches + stages - 1
     in_ticks = {i for step, ids in graph.loop_ops.items()
                 if graph.program[step].eqn.params.get("length") == ticks
-                and any(graph.ops[i].primitive in ("pad", ROTATE) for i in ids) for i in ids}
+                and any(graph.ops[i].primitive in SHIFTING for i in ids) for i in ids}
     chunk = max((graph.ops[i].repeat for i in in_ticks), default=0) // ticks
     return {"layers": chunk * stages * repeats,
             "stage_layers": [[[c * chunk, (c + 1) * chunk - 1]

@@ -1,2 +1,3 @@
-"""autopar's own primitives: the circular pipeline's rotation and the stack's read. Their
-rules are in autopar/rules (kinds.ROTATE, kinds.STACK_READ)."""
+"""autopar's own primitives: the circular pipeline's rotation and the stack's read. Each is
+defined with its sharding rule: rotate registers its own (rules.table.register); the stack's
+read is an identity mark, elementwise by its kind (rules.kinds.MARKS)."""

@@ -1,44 +1,30 @@
 """Whether a loss is a sum over microbatches, and how to compute each microbatch's share.
 
-The loss is traced at the full batch and at one microbatch (accumulate.py); the two jaxprs
-have the same equations, and a value's batch dimension is the one whose size differs between
-them (by the number of microbatches). Each value is then
-- per-example ("example"): it has the batch dimension;
-- a batch sum ("summed"): it depends on what is differentiated and is linear in sums over the
-  batch of per-example values;
-- batch-free ("constant"): everything else.
-The loss of the full batch is the sum over microbatches of each microbatch's loss when
-- a batch sum is only ever added, negated, scaled by a batch-free value or reshaped, and a
-  batch-free value added to it counts 1/M in each microbatch;
-- what reduces over the batch, from the batch alone (a token count), is computed once, at the
-  full batch ("hoisted");
-- per-example random numbers are drawn once for the full batch and sliced; inside a loop
-  (dropout in a scanned stack) each microbatch draws its own examples' bits (draws.py);
-- operations on per-example values keep examples apart (no reduction, slice or shift along the
-  batch dimension), and nothing per-example is computed from a batch sum.
-Anything else is refused with an AutoparError that names the operation.
+`Separability(full, micro, microbatches, diff_leaves)` reads the loss traced at the full batch
+and at one microbatch (accumulate.py), and records what each equation does in a microbatch
+(`actions`) and which outputs are summed or per-example (`out_kinds`); `split_outputs` and
+`outputs` combine the microbatches' results. Whether an operation keeps each example's values
+to itself, or sums over the examples, is asked of its sharding rule (the batch dimension a
+pass-through or a summed factor). What is no sum over microbatches (a batch statistic,
+examples mixed or paired, a sum multiplied by a sum) raises an AutoparError that names the
+operation and the fix.
+
+Design and rationale: docs/internals-steps.md, "autopar/rewrite/separable.py".
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autopar.errors import AutoparError
 from autopar.rewrite.draws import why_not_drawable
-from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, REDUCTIONS
+from autopar.rules.factors import PASS_THROUGH, SUMMED, Rule
+from autopar.rules.kinds import CREATING, LINEAR, RANDOM_DRAWS
+from autopar.rules.table import rule_for
 from autopar.trace.jaxpr import eqn_source, open_jaxpr
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
-
-RANDOM_DRAWS = frozenset({"random_bits", "rng_bit_generator", "rng_uniform"})
-CREATING = RANDOM_DRAWS | {"iota", "broadcast_in_dim"}
-LAYOUT = frozenset({"broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy",
-                    "copy_p", "convert_element_type", "reduce_precision", "bitcast_convert_type"})
-# Linear in their batch-sum operand (the others batch-free): what a loss may do with a sum.
-LINEAR = LAYOUT | {"neg", "reduce_sum", "reshape", "mul", "div", "dot_general", "add", "sub",
-                   "add_any", "select_n"}
-ADDING = frozenset({"add", "sub", "add_any"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,79 +221,65 @@ def _refused(where: str, why: str) -> AutoparError:
         "statistics from the full batch, say).")
 
 
+def _batch_factor(ef: Any, kinds: list[Kind]) -> tuple[Rule | None, str | None]:
+    """The equation's sharding rule, and the factor its per-example operands' batch
+    dimensions all are (None: none, or several). An equation with a body (a while loop, a
+    conditional) is not judged by its rule, which speaks for its carries, not its body."""
+    if any(isinstance(v, (Jaxpr, ClosedJaxpr)) or isinstance(v, tuple) and any(
+            isinstance(b, (Jaxpr, ClosedJaxpr)) for b in v) for v in ef.params.values()):
+        return None, None
+    rule = rule_for(ef.primitive.name, [tuple(v.aval.shape) for v in ef.invars],
+                    [tuple(v.aval.shape) for v in ef.outvars], ef.params)
+    if rule is None or len(rule.operands) != len(kinds):
+        return None, None
+    factors = {rule.operands[i][k.batch] if k.batch < len(rule.operands[i]) else None
+               for i, k in enumerate(kinds) if k.batch is not None}
+    return rule, (factors.pop() if len(factors) == 1 else None)
+
+
 def _examplewise(ef: Any, kinds: list[Kind], outs: list[Kind]) -> bool:
-    """Whether an operation on per-example values keeps each example's values to itself."""
-    name, p = ef.primitive.name, ef.params
-    batch = [k.batch for k in kinds]
-    b = next(x for x in batch if x is not None)
-    if name in ELEMENTWISE or name in LAYOUT:
-        return True
-    if name == "reshape":  # (B, ...) <-> (B * k, ...): examples stay whole rows
-        return b == 0 and outs[0].batch == 0
-    if name in REDUCTIONS or name in ("argmax", "argmin"):
-        return b not in p["axes"]
-    if name in CUMULATIVE:
-        return b != p["axis"]
-    if name == "sort":
-        return b != p["dimension"]
-    if name == "concatenate":
-        return outs[0].batch != p["dimension"]
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = p["dimension_numbers"]
-        sides = [(batch[0], lc, lb), (batch[1], rc, rb)]
-        if all(x is not None for x in batch[:2]):
-            return (batch[0], batch[1]) in zip(lb, rb)
-        return all(x is None or x not in c for x, c, _ in sides)
-    if name == "conv_general_dilated":
-        return batch[1] is None and batch[0] == p["dimension_numbers"].lhs_spec[0]
-    if name == "gather":  # a lookup into a batch-free table, or each example's own
-        if batch[0] is None:
-            return True
-        dn = p["dimension_numbers"]
-        if batch[1] is None:  # a slice of every example (x[..., 0]), the batch kept whole
-            b = batch[0]
-            return (b not in dn.start_index_map and b not in dn.collapsed_slice_dims
-                    and p["slice_sizes"][b] == ef.invars[0].aval.shape[b])
-        return (batch[1] is not None and batch[0] in dn.operand_batching_dims
-                and dn.start_indices_batching_dims[dn.operand_batching_dims.index(batch[0])]
-                == batch[1])
-    if name == "slice":
-        full = ef.invars[0].aval.shape[b]
-        return (p["start_indices"][b] == 0 and p["limit_indices"][b] == full
-                and (p["strides"] is None or p["strides"][b] == 1))
-    if name == "pad":
-        return tuple(p["padding_config"][b]) == (0, 0, 0)
-    return False
+    """Whether an operation on per-example values keeps each example's values to itself: its
+    rule passes the batch dimensions through, as one factor, to each per-example result's."""
+    rule, f = _batch_factor(ef, kinds)
+    if rule is None or rule.kind(f) != PASS_THROUGH:
+        return False
+    return all(o.batch is None or o.batch < len(dims) and dims[o.batch] == f
+               for o, dims in zip(outs, rule.results))
 
 
 def _summing(ef: Any, kinds: list[Kind]) -> bool:
-    """Whether an operation that removes the batch dimension sums over it."""
-    name, p = ef.primitive.name, ef.params
-    batch = [k.batch for k in kinds]
-    if name == "reduce_sum":
-        return batch[0] in p["axes"]
-    if name == "dot_general":
-        (lc, rc), _ = p["dimension_numbers"]
-        return (batch[0], batch[1]) in zip(lc, rc)
-    return False
+    """Whether an operation that removes the batch dimension sums over it: every operand is
+    per-example, and their batch dimensions are one factor the rule sums."""
+    rule, f = _batch_factor(ef, kinds)
+    return (rule is not None and all(k.batch is not None for k in kinds)
+            and rule.kind(f) == SUMMED)
+
+
+# Why an operation is not linear in its operands' batch sums, by how it is linear in them
+# (kinds.LINEAR), where `summed` says which operands are sums.
+_NOT_LINEAR: dict[str, tuple[Callable[[list[bool]], bool], str]] = {
+    "each": (lambda summed: False, ""),
+    "one": (lambda summed: sum(summed) != 1, "multiplies two sums over the batch"),
+    "first": (lambda summed: not summed[0] or any(summed[1:]),
+              "divides by a sum over the batch"),
+    "cases": (lambda summed: summed[0] or not all(summed[1:]),
+              "selects between a sum over the batch and something else"),
+}
 
 
 def _linear(ef: Any, kinds: list[Kind], where: str) -> tuple[int, ...]:
     """Check an operation on a batch sum is linear in it; the positions of the batch-free
     operands an addition scales by 1/M."""
-    name = ef.primitive.name
+    how = LINEAR.get(ef.primitive.name)
     summed = [k.summed for k in kinds]
-    if name not in LINEAR:
+    if how is None:
         raise _refused(where, "is not linear in a sum over the batch, so the microbatches' "
                               "results cannot be added")
-    if name in ADDING:
+    if how == "added":
         return tuple(i for i, s in enumerate(summed) if not s)
-    if name == "select_n" and (summed[0] or not all(summed[1:])):
-        raise _refused(where, "selects between a sum over the batch and something else")
-    if name in ("mul", "dot_general") and sum(summed) != 1:
-        raise _refused(where, "multiplies two sums over the batch")
-    if name == "div" and (not summed[0] or summed[1]):
-        raise _refused(where, "divides by a sum over the batch")
+    refuses, why = _NOT_LINEAR[how]
+    if refuses(summed):
+        raise _refused(where, why)
     return ()
 
 

@@ -22,13 +22,29 @@ Dims = tuple[str | None, ...]  # one factor name (or None) per dimension
 Spec = tuple[tuple[str, ...], ...]  # one tuple of mesh axes per dimension; () is replicated
 
 
+# What a factor is to its operator (Rule.kind): in the operands and the results, split alike
+# on both sides; the same, but the rows move along it (a shift or a rotation: each device
+# sends its neighbour the rows that cross into its block); in the operands only, split into
+# partial results that a sum combines; in the operands only, combined otherwise (a maximum, a
+# product, a lookup's rows); a dimension with no factor (None) must stay whole.
+PASS_THROUGH, SHIFTED, SUMMED, COMBINED, WHOLE = (
+    "pass-through", "shifted", "summed", "combined", "whole")
+
+
 @dataclass(frozen=True)
 class Rule:
-    """Factor notation of one operator instance."""
+    """Factor notation of one operator instance. `combine` says how the partial results of a
+    split reduction factor are combined: "sum" (a matrix product, reduce_sum, scatter-add),
+    or an operation's name ("max", "and", ...; "lookup" for a gather's indexed rows, where each
+    device's rows are summed with the others' zeros, which is a selection, not a sum of the
+    rows); `shifted`, the factors along which rows move. The strategies do not depend on
+    either, so rules equal but for them are equal."""
 
     operands: tuple[Dims, ...]
     results: tuple[Dims, ...]
     sizes: dict[str, int] = field(hash=False)
+    combine: str = field(default="sum", compare=False)
+    shifted: frozenset[str] = field(default=frozenset(), compare=False)
 
     @functools.cached_property
     def key(self) -> tuple:
@@ -45,7 +61,9 @@ class Rule:
     def notation(self) -> str:
         """The rule in one line: each factor a letter, by first appearance, and `_` for a
         dimension never split; a scalar is `()`. `dot_general` of [B, I] x [I, O] reads
-        `ab, bc -> ac`: b, in no result, is summed."""
+        `ab, bc -> ac`: b, in no result, is summed. Factors of other kinds are named after
+        it: `reduce_max` of [B, I] over I reads `ab -> a (b by max)`, a shift along B of a
+        pad `ab -> ab (a shifted)`."""
         letters: dict[str, str] = {}
 
         def letter(f: str | None) -> str:
@@ -58,12 +76,28 @@ class Rule:
 
         def side(tensors: tuple[Dims, ...]) -> str:
             return ", ".join("".join(map(letter, dims)) or "()" for dims in tensors)
-        return f"{side(self.operands)} -> {side(self.results)}"
+        text = f"{side(self.operands)} -> {side(self.results)}"
+
+        def typed(f: str) -> str | None:  # summed and pass-through factors read as such
+            kind = self.kind(f)
+            return (f"{letters[f]} {SHIFTED}" if kind == SHIFTED else
+                    f"{letters[f]} by {self.combine}" if kind == COMBINED else None)
+        marks = [m for f in list(letters) if (m := typed(f))]
+        return text + (f" ({', '.join(marks)})" if marks else "")
 
     @property
     def reduction_factors(self) -> frozenset[str]:
         in_results = {f for dims in self.results for f in dims if f}
         return frozenset(f for dims in self.operands for f in dims if f and f not in in_results)
+
+    def kind(self, factor: str | None) -> str:
+        """PASS_THROUGH, SHIFTED, SUMMED, COMBINED or WHOLE (`factor` None: a dimension never
+        split)."""
+        if factor is None:
+            return WHOLE
+        if factor not in self.reduction_factors:
+            return SHIFTED if factor in self.shifted else PASS_THROUGH
+        return SUMMED if self.combine == "sum" else COMBINED
 
 
 @dataclass(frozen=True)

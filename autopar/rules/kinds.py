@@ -36,8 +36,10 @@ SHARD_MARK = "autopar_shard"
 # The pipelined stack's read of a per-layer input, and of its gradient
 # (autopar.primitives.stack_read).
 STACK_READ = "autopar_stack_read"
-MARKS = frozenset({SHARD_MARK, STACK_READ, "optimization_barrier", "scan_carry",
-                   "scan_carry_out"})
+# A loop's carried value, in and out (autopar.trace): elementwise as shapes go, but its rows
+# along the loop are its iterations' values.
+LOOP_CARRIES = frozenset({"scan_carry", "scan_carry_out"})
+MARKS = frozenset({SHARD_MARK, STACK_READ, "optimization_barrier"}) | LOOP_CARRIES
 ELEMENTWISE = CHEAP_ELEMENTWISE | OTHER_ELEMENTWISE | MARKS
 
 # Elementwise too, but not fused: random numbers, one key (a key array's element) or one
@@ -49,6 +51,9 @@ RANDOM_ELEMENTWISE = frozenset({"random_seed", "random_fold_in", "random_clone",
 
 # The circular pipeline's roll along the stages (autopar.primitives.rotate), by name.
 ROTATE = "autopar_rotate"
+# Operators whose rule may shift rows along a dimension (rules.layout.shifts): a pad low k and
+# high -k, a rotation.
+SHIFTING = frozenset({"pad", ROTATE})
 # Layout operators that are one HLO instruction, cheap to XLA's fusion like CHEAP_ELEMENTWISE;
 # a rotation lowers to three (two slices and a concatenation), as cheap, and is listed here.
 LAYOUT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
@@ -76,10 +81,31 @@ SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
 SUMMING = CONTRACTING | SCATTER_ADD
 SCATTERS = SCATTER_ADD | {"scatter", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub"}
 
+# Draws of random numbers, and operators that make values from none (rewrite/separable.py:
+# per-example values a loss may make without reading the batch).
+RANDOM_DRAWS = frozenset({"random_bits", "rng_bit_generator", "rng_uniform"})
+CREATING = RANDOM_DRAWS | {"iota", "broadcast_in_dim"}
+# How an operator is linear in operands that are sums over the batch, the others free of it
+# (rewrite/separable.py: what a loss may do with a sum): "each" (one operand, or any), "added"
+# (a sum: a batch-free term counts once in the whole), "one" (a product: exactly one operand a
+# sum), "first" (a division: the numerator alone), "cases" (select_n: every case, not the
+# predicate).
+LINEAR: dict[str, str] = {
+    **dict.fromkeys(("broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy",
+                     "copy_p", "convert_element_type", "reduce_precision",
+                     "bitcast_convert_type", "neg", "reduce_sum", "reshape"), "each"),
+    **dict.fromkeys(("add", "sub", "add_any"), "added"),
+    "mul": "one", "dot_general": "one", "div": "first", "select_n": "cases",
+}
+
+# Operators with bodies of their own (a while loop, a conditional): their rules speak for
+# their carried values, not for what their bodies compute.
+WITH_BODIES = frozenset({"while", "cond"})
+
 # Operators that choose their own strategy in the search; every other operator with a rule
 # follows the sharding of its main operand (reductions keep their input's split and all-reduce
 # the partials). Loops and conditionals decide for their bodies.
-DECIDERS = frozenset({"dot_general", "conv_general_dilated", "gather", "while", "cond"}) | SCATTERS
+DECIDERS = frozenset({"dot_general", "conv_general_dilated", "gather"}) | WITH_BODIES | SCATTERS
 # An operator whose result holds this many times its main operand's elements decides its own
 # split (a broadcast, a concatenation).
 GROWTH = 2

@@ -5,6 +5,7 @@ names every rule of the table uses."""
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 from autopar.rules.factors import Dims, Rule
 
@@ -28,8 +29,9 @@ class Factors:
     def dims(self, shape: Shape) -> Dims:
         return tuple(self.new(d) for d in shape)
 
-    def rule(self, operands: list[Dims], results: list[Dims]) -> Rule:
-        return Rule(tuple(operands), tuple(results), self.sizes)
+    def rule(self, operands: list[Dims], results: list[Dims], combine: str = "sum",
+             shifted: frozenset[str] = frozenset()) -> Rule:
+        return Rule(tuple(operands), tuple(results), self.sizes, combine, shifted)
 
 
 def broadcast_in_dim(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
@@ -98,11 +100,13 @@ def concatenate(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 
 def whole_dims_shared(ins: list[Shape], outs: list[Shape], keep: list[bool],
-                       extra_operands: int) -> Rule:
-    """Dims marked keep share a factor between operand 0 and the result; the rest stay whole."""
+                       extra_operands: int, shifted: Sequence[int] = ()) -> Rule:
+    """Dims marked keep share a factor between operand 0 and the result; the rest stay whole.
+    Rows move along the dims `shifted`."""
     fs = Factors()
     dims = tuple(fs.new(d) if k else None for d, k in zip(outs[0], keep))
-    return fs.rule([dims] + [() for _ in range(extra_operands)], [dims])
+    return fs.rule([dims] + [() for _ in range(extra_operands)], [dims],
+                   shifted=frozenset(dims[d] for d in shifted) - {None})
 
 
 def slice_rule(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
@@ -116,9 +120,10 @@ def pad(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     """Unpadded dimensions split freely, and so does a shifted one (padded by k low and cut
     by k high, a pipeline's shift between stages): each device sends its last k rows to the
     next, one collective-permute (`shifts`, priced by the cost model)."""
-    keep = [cfg == (0, 0, 0) or d in shifts(params) for d, cfg in
+    moved = shifts(params)
+    keep = [cfg == (0, 0, 0) or d in moved for d, cfg in
             enumerate(map(tuple, params["padding_config"]))]
-    return whole_dims_shared(ins, outs, keep, len(ins) - 1)
+    return whole_dims_shared(ins, outs, keep, len(ins) - 1, tuple(moved))
 
 
 def shifts(params: dict) -> dict[int, int]:
@@ -128,12 +133,6 @@ def shifts(params: dict) -> dict[int, int]:
         return {params["axis"]: abs(params["shift"])}
     return {d: abs(lo) for d, (lo, hi, interior) in enumerate(params["padding_config"])
             if lo and lo == -hi and not interior}
-
-
-def rotate(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Every dimension splits: each device sends the rows that cross into another's block, one
-    collective-permute (`shifts`)."""
-    return whole_dims_shared(ins, outs, [True] * len(ins[0]), 0)
 
 
 def dynamic_slice(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:

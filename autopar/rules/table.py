@@ -6,12 +6,13 @@ warns once, naming the primitive and where it was called.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from autopar.rules.factors import Dims, Rule
-from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, RANDOM_ELEMENTWISE, REDUCTIONS, ROTATE
+from autopar.rules.kinds import CUMULATIVE, ELEMENTWISE, RANDOM_ELEMENTWISE, REDUCTIONS
 from autopar.rules.layout import (Factors, broadcast_in_dim, concatenate, dynamic_slice,
-                                  dynamic_update_slice, expand_dims, pad, reshape, rev, rotate,
+                                  dynamic_update_slice, expand_dims, pad, reshape, rev,
                                   slice_rule, split, squeeze, stack, tile, transpose, unstack)
 
 Shape = tuple[int, ...]
@@ -30,13 +31,14 @@ def elementwise(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     return fs.rule(operands, [result] * len(outs))
 
 
-def reduction(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
-    """Reduced dimensions are reduction factors: split, they leave partials for an all-reduce."""
+def reduction(ins: list[Shape], outs: list[Shape], params: dict, combine: str = "sum") -> Rule:
+    """Reduced dimensions are reduction factors: split, they leave partials for an all-reduce
+    (`combine`: "sum" for reduce_sum, "max" for reduce_max, ...)."""
     fs = Factors()
     operand = fs.dims(ins[0])
     axes = set(params["axes"])
     result = tuple(f for k, f in enumerate(operand) if k not in axes)
-    return fs.rule([operand] + [() for _ in ins[1:]], [result] * len(outs))
+    return fs.rule([operand] + [() for _ in ins[1:]], [result] * len(outs), combine)
 
 
 def argminmax(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
@@ -157,7 +159,7 @@ def gather(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
     for k in dn.start_index_map:
         if params["slice_sizes"][k] == 1 and k not in dn.operand_batching_dims:
             operand[k] = fs.new(ins[0][k])  # in no result: a reduction factor
-    return fs.rule([tuple(operand), tuple(indices)], [tuple(result)])
+    return fs.rule([tuple(operand), tuple(indices)], [tuple(result)], combine="lookup")
 
 
 def scatter(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
@@ -305,13 +307,14 @@ def cond(ins: list[Shape], outs: list[Shape], params: dict) -> Rule:
 
 RULES: dict[str, RuleFn] = {
     **{name: elementwise for name in ELEMENTWISE | RANDOM_ELEMENTWISE},
-    **{name: reduction for name in REDUCTIONS},
+    **{name: functools.partial(reduction, combine=name.removeprefix("reduce_"))
+       for name in REDUCTIONS},
     **{name: along_axis_whole for name in CUMULATIVE},
     "argmax": argminmax, "argmin": argminmax, "sort": along_axis_whole, "top_k": along_axis_whole,
     "broadcast_in_dim": broadcast_in_dim, "transpose": transpose, "reshape": reshape,
     "squeeze": squeeze, "expand_dims": expand_dims, "dot_general": dot_general,
     "conv_general_dilated": conv, "concatenate": concatenate, "slice": slice_rule, "pad": pad,
-    ROTATE: rotate, "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
+    "dynamic_slice": dynamic_slice, "dynamic_update_slice": dynamic_update_slice,
     "gather": gather, "scatter-add": scatter_add, "scatter_add": scatter_add, "scatter": scatter,
     # Other combiners: the same factors except the reduction one (partial results of a
     # product, min, max or difference are not summed).
@@ -327,6 +330,14 @@ RULES: dict[str, RuleFn] = {
     # even when split on a batch dim: XLA CPU, jax 0.10.2).
     "cholesky": batched_matrices, "triangular_solve": batched_matrices,
 }
+
+
+def register(primitive: str, rule: RuleFn) -> None:
+    """Give `primitive` its rule: autopar's own primitives (autopar/primitives) register theirs
+    where they are defined. A second, different rule for one primitive is refused."""
+    if RULES.get(primitive, rule) is not rule:
+        raise ValueError(f"primitive {primitive!r} already has a sharding rule")
+    RULES[primitive] = rule
 
 
 def rule_for(primitive: str, ins: list[Shape], outs: list[Shape], params: dict) -> Rule | None:
