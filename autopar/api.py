@@ -73,7 +73,7 @@ def auto_parallel(fn: Callable | None = None, *, mesh: Mesh, search: str = "dyna
     placement/lanes.py).
     `pipeline="auto"` weighs no pipeline (with gradient accumulation where one batch does not
     fit) against every stage count the mesh offers (its 'stage' axis, or for a device count
-    each divisor), several microbatch counts and repeats, and keeps the schedule estimated
+    each divisor), several microbatch and round counts, and keeps the schedule estimated
     fastest that fits `memory_limit` (planning/schedules.py).
     """
     if fn is None:

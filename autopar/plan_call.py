@@ -28,7 +28,7 @@ class Request:
     microbatches: int | str
     batch_argnums: int | Sequence[int]
     pipeline: int | str
-    repeats: int
+    rounds: int  # the option pipeline_repeats
     keep_placement: bool
 
 
@@ -59,7 +59,7 @@ def plan_call(call: Call, mesh: MeshShape | int, request: Request,
                     request.annotations, request.platform, request.keep_placement,
                     prove=check is None)  # auto_parallel proves a plan once it is kept
     weighing = weigh_schedules(call, request.microbatches, request.batch_argnums, mesh,
-                               request.memory_limit, request.pipeline, request.repeats)
+                               request.memory_limit, request.pipeline, request.rounds)
     outcome: Planned | AutoparError | None = None
     while True:
         try:

@@ -106,11 +106,11 @@ def planning_line(seconds: Mapping[str, float]) -> str:
     return f"planned in {seconds['total']:.2f} s" + (f": {stages}" if stages else "")
 
 
-def pipeline_line(stages: int, microbatches: int, shares: int = 1, repeats: int = 1) -> str:
+def pipeline_line(stages: int, microbatches: int, shares: int = 1, rounds: int = 1) -> str:
     """The summary's line for a pipelined plan."""
-    ticks = repeats * microbatches + stages - 1
-    schedule = ("GPipe schedule" if repeats == 1 else
-                f"circular schedule, {repeats} rounds through the stages")
+    ticks = rounds * microbatches + stages - 1
+    schedule = ("GPipe schedule" if rounds == 1 else
+                f"circular schedule, {rounds} rounds through the stages")
     return (f"layer stack pipelined over {stages} stages (the mesh's 'stage' axis) and "
             f"{microbatches} microbatches, {schedule}: {ticks} ticks, "
             f"bubble {(stages - 1) / ticks:.0%} of each stage's time"

@@ -74,7 +74,7 @@ class AutoParallel:
             microbatches = saved.microbatches
         self.microbatches, self.batch_argnums = microbatches, batch_argnums
         self.stages = saved.pipeline_stages if saved is not None else pipeline
-        self.repeats = saved.pipeline_repeats if saved is not None else pipeline_repeats
+        self.rounds = saved.pipeline_repeats if saved is not None else pipeline_repeats
         self.keep_placement = keep_placement
         self.requested = auto_axes(mesh) if isinstance(mesh, Mesh) else mesh_or_count(mesh)
         # the step runs on the mesh's devices, or on jax's for a count: their compiler's platform
@@ -106,7 +106,7 @@ class AutoParallel:
                 "plan": self.saved, "annotations": self.annotations,
                 "memory_limit": self.memory_limit, "microbatches": self.microbatches,
                 "batch_argnums": self.batch_argnums, "pipeline": self.stages,
-                "pipeline_repeats": self.repeats, "keep_placement": self.keep_placement}
+                "pipeline_repeats": self.rounds, "keep_placement": self.keep_placement}
 
     def _make(self, call: Call) -> _Signature:
         """Plan (or apply the saved plan, or the plan cache's) for these arguments; the jitted
@@ -141,7 +141,7 @@ class AutoParallel:
 
         request = Request(self.search, self.hw, self.annotations, self.platform,
                           self.memory_limit, self.microbatches, self.batch_argnums, self.stages,
-                          self.repeats, self.keep_placement)
+                          self.rounds, self.keep_placement)
         return plan_call(call, shape, request, CompileCheck(make, compiled_of))
 
     def _signature(self, graph: OpGraph, decisions: Decisions, axes: dict[str, int],

@@ -104,7 +104,7 @@ def test_an_accumulators_readers_pay_for_its_sharding():
 
 
 @pytest.mark.slow
-def test_a_saved_grouped_plan_runs_the_same_program():
+def test_a_saved_plan_in_shares_runs_the_same_program():
     step, state, data = gpt_case()
     mesh = autopar.make_mesh({"data": 8})
     # planned for h100: on the cpu profile the plan reducing per microbatch is estimated
@@ -274,12 +274,12 @@ class ScannedDropoutNet(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("microbatches,split,mesh,stages,repeats", [
+@pytest.mark.parametrize("microbatches,split,mesh,stages,rounds", [
     (2, False, {"data": 8}, 1, 1), (4, False, {"data": 8}, 1, 1), (2, True, {"data": 8}, 1, 1),
     (4, False, {"stage": 2, "data": 4}, 2, 1), (4, False, {"stage": 4, "data": 2}, 4, 1),
     (4, False, {"stage": 2, "data": 4}, 2, 2)])
 def test_dropout_inside_a_scanned_stack_equals_the_full_batch(microbatches, split, mesh, stages,
-                                                              repeats):
+                                                              rounds):
     """Each microbatch draws its own examples' bits of every layer's full-batch draw
     (rewrite/draws.py), accumulated or pipelined (GPipe, circular); `split`: the batch over 8
     devices, each microbatch as 8 shares."""
@@ -289,10 +289,10 @@ def test_dropout_inside_a_scanned_stack_equals_the_full_batch(microbatches, spli
     other_state, _ = jax.jit(step)(state, data, jax.random.key(8))
     sharded = autopar.auto_parallel(step, mesh=autopar.make_mesh(mesh), batch_argnums=1,
                                     microbatches=microbatches, pipeline=stages,
-                                    pipeline_repeats=repeats,
+                                    pipeline_repeats=rounds,
                                     annotations={r"^batch/": P("data")} if split else None)
     plan = sharded.plan(state, data, key)
-    assert (plan.pipeline_stages, plan.pipeline_repeats) == (stages, repeats)
+    assert (plan.pipeline_stages, plan.pipeline_repeats) == (stages, rounds)
     if split:
         assert plan.microbatch_groups == 8
     new_state, loss = sharded(state, data, key)

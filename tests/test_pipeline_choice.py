@@ -49,18 +49,18 @@ def test_shares_that_split_the_loop_over_data_are_planned_alone(monkeypatch, har
     communicates (this machine's profile), it is kept and nothing else is planned; where it
     is bound by its links (the h100 profile, for which this model is too small), the
     microbatches reducing in each are planned too, and kept as the faster."""
-    groups = []
+    shares = []
     plan = Planning.plan
 
     def recorded(self, *args, **kwargs):
-        groups.append(self.schedule.shares)
+        shares.append(self.schedule.shares)
         return plan(self, *args, **kwargs)
     monkeypatch.setattr(Planning, "plan", recorded)
     step, state, data = gpt_case(batch=64)
     options = {"hardware": hardware} if hardware else {}
     kept = autopar.plan(step, state, data, mesh={"stage": 2, "data": 4}, microbatches=4,
                         pipeline=2, **options)
-    assert groups == planned
+    assert shares == planned
     assert kept.microbatch_groups == planned[-1], kept.search_stats
     if len(planned) > 1:
         assert "in 4 shares it is estimated slower" in kept.search_stats[

@@ -37,12 +37,12 @@ def predicted_collectives(plan):
 def test_a_python_loops_layers_stay_stacked_and_train_equal_to_one_device():
     """The circular schedule (2 rounds): the stacks kept in its placement too. GPipe's
     stacking is the same with the placement in layer order (the tests below)."""
-    repeats = 2
+    rounds = 2
     step, state, data = loop_gpt()
     mesh = autopar.make_mesh(MESH)
     ref_state, ref_losses = run_steps(jax.jit(step), copy_tree(state), data, 3)
     sharded = autopar.auto_parallel(step, mesh=mesh, keep_placement=True, donate_argnums=0,
-                                    pipeline_repeats=repeats, **GPIPE)
+                                    pipeline_repeats=rounds, **GPIPE)
     with warnings.catch_warnings():
         warnings.simplefilter("error", autopar.AutoparWarning)
         placed, losses = run_steps(sharded, copy_tree(state), data, 2)
@@ -69,7 +69,7 @@ def test_a_python_loops_layers_stay_stacked_and_train_equal_to_one_device():
     outside, every = compiled_collectives(sharded, new_state, data)
     assert "all-gather" not in outside, outside
     assert predicted_collectives(plan) == every
-    leaves = autopar.auto_parallel(step, mesh=mesh, pipeline_repeats=repeats, **GPIPE)
+    leaves = autopar.auto_parallel(step, mesh=mesh, pipeline_repeats=rounds, **GPIPE)
     moved, _ = compiled_collectives(leaves, state, data)
     assert moved.get("all-gather", 0) > 0, moved
 

@@ -1,6 +1,6 @@
 """Which of a traced step's leaves can be stored in the circular placement (stored.py).
 
-`storage(graph, stages, repeats)` returns a `Storage`: the stack's per-layer inputs that can be
+`storage(graph, stages, rounds)` returns a `Storage`: the stack's per-layer inputs that can be
 read from leaves stored with their layers permuted, those leaves' input and output indices,
 and for each that cannot, why (its paths and the operation that reads its layers in order). A
 leaf is stored only where every operation on it, or on what is computed from it along its
@@ -29,8 +29,10 @@ _ROWWISE = ELEMENTWISE - LOOP_CARRIES - {STACK_READ}
 class Storage:
     """What can be stored in placement: the stack's per-layer inputs read from stored leaves,
     the flat input and output indices of those leaves, their layer count, the schedule's
-    stages and rounds (set by the planning), and for every stack input read from the step's
-    inputs that cannot be stored, why (keyed by the input's index, with the leaves' paths)."""
+    stages and rounds (set by the planning; the rounds are `repeats`, as the plan's JSON
+    names them: a plan shows this record, `plan.stored`), and for every stack input read
+    from the step's inputs that cannot be stored, why (keyed by the input's index, with the
+    leaves' paths)."""
     reads: tuple[int, ...] = ()
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
@@ -77,8 +79,8 @@ class _Groups:
         self.ordered.setdefault(self.find(t), why)
 
 
-def storage(graph: OpGraph, stages: int = 1, repeats: int = 1) -> Storage:
-    """The leaves of `graph` that can be stored in the placement of `stages` x `repeats`,
+def storage(graph: OpGraph, stages: int = 1, rounds: int = 1) -> Storage:
+    """The leaves of `graph` that can be stored in the placement of `stages` x `rounds`,
     and why the others cannot (the same whether the stack reads them in layer order or
     stored: the analysis looks only outside the stack)."""
     marks = [op for op in graph.ops if op.primitive == STACK_READ]
@@ -120,7 +122,7 @@ def storage(graph: OpGraph, stages: int = 1, repeats: int = 1) -> Storage:
         stored |= members
     return Storage(tuple(reads), tuple(sorted(inputs[t] for t in stored if t in inputs)),
                    tuple(o for o, t in enumerate(graph.outputs) if t in stored), length,
-                   stages, repeats, refused)
+                   stages, rounds, refused)
 
 
 def _same_rows(graph: OpGraph, made: dict, t: int) -> bool:

@@ -20,10 +20,10 @@ import numpy as np
 from autopar.errors import AutoparError
 
 
-def placement_order(length: int, stages: int, repeats: int) -> np.ndarray:
+def placement_order(length: int, stages: int, rounds: int) -> np.ndarray:
     """Row i of a stored leaf holds layer `order[i]`: stage s's chunks (s, s+S, ...) one after
     the other, so that a split over 'stage' of the stored leaf gives each stage its own."""
-    return np.arange(length).reshape(repeats, stages, -1).swapaxes(0, 1).reshape(-1)
+    return np.arange(length).reshape(rounds, stages, -1).swapaxes(0, 1).reshape(-1)
 
 
 # -- the state, stored ----------------------------------------------------------------------
@@ -33,10 +33,10 @@ class Layout:
     leaves: tuple[int, ...]  # flat leaf indices within the tree
     length: int
     stages: int
-    repeats: int
+    rounds: int
 
     def order(self) -> np.ndarray:
-        return placement_order(self.length, self.stages, self.repeats)
+        return placement_order(self.length, self.stages, self.rounds)
 
 
 class PlacedStateError(AutoparError, AttributeError):
@@ -75,7 +75,7 @@ class Placed:
         if isinstance(layout, Layout):
             return (f"in the pipeline's placement ({len(layout.leaves)} leaves of "
                     f"{layout.length} layers stored as {layout.stages} stages x "
-                    f"{layout.repeats} rounds), not in your layer order")
+                    f"{layout.rounds} rounds), not in your layer order")
         return (f"stacked ({layout.families} families of {layout.layers} layers, one array "
                 "each), not as your leaves")
 

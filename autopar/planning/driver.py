@@ -238,12 +238,12 @@ def tracer(call: Call, batch_argnums: int | Sequence[int], hw: Hardware, search:
 
 
 def traced_stored(again: Callable[[Sequence[int]], OpGraph], graph: OpGraph, stages: int,
-                  repeats: int, lanes: Lanes | None = None) -> tuple[OpGraph, Storage | None]:
+                  rounds: int, lanes: Lanes | None = None) -> tuple[OpGraph, Storage | None]:
     """The step traced again (`again`) with its stack reading the leaves that `graph` (the
     step traced in layer order) lets be stored, and what is stored; a warning names each of
     the stack's leaves kept in layer order and why. Where nothing can be stored, `graph` and
     None. With `lanes` (a Python loop's layers stacked), only stacked families are stored."""
-    found = storage(graph, stages, repeats)
+    found = storage(graph, stages, rounds)
     for index, why in found.refused.items():
         warnings.warn(AutoparWarning(
             f"keep_placement: the stack's input {index} stays in layer order and moves "

@@ -1,10 +1,10 @@
 """How a step's gradient accumulation is planned: how many microbatches, and where they reduce.
 
 - `check_microbatches(microbatches)`: AutoparError unless it is a positive int or "auto".
-- `weigh_microbatches(call, microbatches, batch_argnums, shape, limit, stages=1, repeats=1)`:
+- `weigh_microbatches(call, microbatches, batch_argnums, shape, limit, stages=1, rounds=1)`:
   a search of schedules (driver.Weighing) that plans the step on `shape` within `limit` with
   `microbatches=M`, or for "auto" with the fewest whose plan fits. They run as shares reduced
-  once after the loop (`groups`, see accumulate.py) where that is estimated no slower and
+  once after the loop (`Schedule.shares`, see accumulate.py) where that is estimated no slower and
   fits; else each reduces, and search_stats.reduced_per_microbatch says why. With `stages`,
   the layer stack is pipelined (gpipe.py).
 - `fewest_fitting(plan_with, microbatches, call, batch_argnums)`: the plan and the counts
@@ -49,29 +49,29 @@ def check_microbatches(microbatches: int | str) -> None:
 
 def weigh_microbatches(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                        shape: MeshShape | int, limit: int | None, stages: int = 1,
-                       repeats: int = 1) -> Weighing:
+                       rounds: int = 1) -> Weighing:
     """A search of schedules (driver.Weighing): the step planned on `shape` within `limit`,
     with the microbatches asked, or with the fewest that fit ("auto"), the counts tried
     recorded in the plan's search_stats; reduced once after the loop where that is no slower
     and fits (else search_stats.reduced_per_microbatch says why not). With `stages`, the
-    loss's layer stack pipelined (gpipe.py; `repeats` times round), in shares on the other
+    loss's layer stack pipelined (gpipe.py; `rounds` times round), in shares on the other
     axes where that is no slower."""
     def plan_with(m: int) -> Weighing:
-        return ask(Schedule(m, stages=stages, rounds=repeats), shape, limit)
+        return ask(Schedule(m, stages=stages, rounds=rounds), shape, limit)
 
-    shares = yield from _stage_shares_first(call, microbatches, batch_argnums, shape, limit,
-                                            stages, repeats)
-    if shares is not None and shares.alone:
-        return shares.planned
+    stage_shares = yield from _stage_shares_first(call, microbatches, batch_argnums, shape,
+                                                  limit, stages, rounds)
+    if stage_shares is not None and stage_shares.alone:
+        return stage_shares.planned
     try:
         planned, tried = yield from fewest_fitting(plan_with, microbatches, call, batch_argnums)
     except AutoparError:
-        if shares is not None and shares.planned is not None:  # the shares, kept together,
-            return shares.planned                               # are all that could be planned
+        if stage_shares is not None and stage_shares.planned is not None:  # the shares,
+            return stage_shares.planned  # kept together, are all that could be planned
         raise
     if planned.plan.microbatches > 1:
         planned = yield from _reduced_once(call, batch_argnums, limit, planned, stages,
-                                           repeats, shares)
+                                           rounds, stage_shares)
     return planned.noting(microbatches_tried=tuple(tried)) if len(tried) > 1 else planned
 
 
@@ -88,7 +88,7 @@ class Shares:
 
 def _stage_shares_first(call: Call, microbatches: int | str,
                         batch_argnums: int | Sequence[int], shape: MeshShape | int,
-                        limit: int | None, stages: int, repeats: int
+                        limit: int | None, stages: int, rounds: int
                         ) -> Generator[Ask, Any, Shares | None]:
     """A pipeline on a mesh with one axis of G > 1 devices besides 'stage': the step with G
     shares per microbatch planned on it, and whether to keep it without planning the
@@ -99,14 +99,14 @@ def _stage_shares_first(call: Call, microbatches: int | str,
     others = [(n, k) for n, k in shape.as_dict().items() if n != STAGE_AXIS and k > 1]
     if len(others) != 1:
         return None
-    (axis, groups), = others
+    (axis, shares), = others
     positions = call.traced_positions(batch_argnums, "batch_argnums")
-    if batch_size(call.abstract(), positions, 1) % (microbatches * groups):
+    if batch_size(call.abstract(), positions, 1) % (microbatches * shares):
         return None  # _reduced_once says why
     try:
-        planned = yield from ask(Schedule(microbatches, groups, stages, repeats), shape, limit)
+        planned = yield from ask(Schedule(microbatches, shares, stages, rounds), shape, limit)
     except AutoparError as e:  # a share too small for the loss's code, or no fit
-        return Shares(why_not=f"in {groups} shares: {e}")
+        return Shares(why_not=f"in {shares} shares: {e}")
     graph = planned.planning.graph
     return Shares(planned, _splits_loop_products(graph, planned.decisions, axis)
                   and _loop_communicates_less(graph, planned.plan))
@@ -131,38 +131,39 @@ def _splits_loop_products(graph: OpGraph, decisions: Decisions, axis: str) -> bo
 
 
 def _reduced_once(call: Call, batch_argnums: int | Sequence[int], limit: int | None,
-                  first: Planned, stages: int = 1, repeats: int = 1,
-                  shares: Shares | None = None) -> Weighing:
+                  first: Planned, stages: int = 1, rounds: int = 1,
+                  stage_shares: Shares | None = None) -> Weighing:
     """`first` (a plan accumulating per microbatch, or pipelining over `stages`), or the same
     step with its gradient kept per share of G device groups and reduced once after the loop,
     planned on `first`'s mesh, where that is estimated no slower and fits (`_share_count`
     gives G; the 'stage' axis is not one of them: the stages hold different layers).
-    `shares`: what `_stage_shares_first` found, used instead of planning the shares again."""
+    `stage_shares`: what `_stage_shares_first` found, used instead of planning the shares
+    again."""
     p = first.plan
 
     def per_microbatch(why: str) -> Planned:
         return first.noting(reduced_per_microbatch=why)
 
-    if shares is not None and shares.why_not is not None:
-        return per_microbatch(shares.why_not)
+    if stage_shares is not None and stage_shares.why_not is not None:
+        return per_microbatch(stage_shares.why_not)
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     shape = mesh_shape(dict(p.mesh))
-    groups = yield from _share_count(p, positions, shape, stages > 1)
+    shares = yield from _share_count(p, positions, shape, stages > 1)
     size = batch_size(call.abstract(), positions, 1)
-    if groups == 1:
+    if shares == 1:
         return per_microbatch("no plan splits the batch")
-    if size % (p.microbatches * groups):
-        return per_microbatch(f"{p.microbatches} microbatches of {groups} shares do not "
+    if size % (p.microbatches * shares):
+        return per_microbatch(f"{p.microbatches} microbatches of {shares} shares do not "
                               f"divide the batch of {size}")
     try:
-        grouped = shares.planned if shares is not None else (yield from ask(
-            Schedule(p.microbatches, groups, stages, repeats), shape, limit))
+        in_shares = stage_shares.planned if stage_shares is not None else (yield from ask(
+            Schedule(p.microbatches, shares, stages, rounds), shape, limit))
     except AutoparError as e:  # a share too small for the loss's code (one example, whose
-        return per_microbatch(f"in {groups} shares: {e}")  # batch dimension a reshape drops),
-    if grouped.plan.cost.total_s > p.cost.total_s:         # or no fit
-        return per_microbatch(f"in {groups} shares it is estimated slower "
-                              f"({grouped.plan.cost.total_s * 1e3:.3f} ms)")
-    return dataclasses.replace(grouped, mesh=first.mesh)  # planned again as first would be
+        return per_microbatch(f"in {shares} shares: {e}")  # batch dimension a reshape drops),
+    if in_shares.plan.cost.total_s > p.cost.total_s:       # or no fit
+        return per_microbatch(f"in {shares} shares it is estimated slower "
+                              f"({in_shares.plan.cost.total_s * 1e3:.3f} ms)")
+    return dataclasses.replace(in_shares, mesh=first.mesh)  # planned again as first would be
 
 
 def _share_count(p: Plan, positions: Sequence[int], shape: MeshShape, staged: bool = False
@@ -173,9 +174,9 @@ def _share_count(p: Plan, positions: Sequence[int], shape: MeshShape, staged: bo
     'stage' axis does not count, and where one other axis is left the shares are over it
     without planning the whole step: that plan could only split the batch over it or not,
     and the shares' plan is kept only where it is estimated no slower anyway."""
-    groups = batch_groups(p, positions, staged)
-    if groups > 1:
-        return groups
+    shares = batch_groups(p, positions, staged)
+    if shares > 1:
+        return shares
     others = [n for n, k in dict(p.mesh).items() if n != STAGE_AXIS and k > 1]
     if staged and len(others) == 1:
         return dict(p.mesh)[others[0]]

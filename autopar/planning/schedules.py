@@ -1,6 +1,6 @@
 """`pipeline="auto"`: the schedule chosen with the plan.
 
-`weigh_schedules(call, microbatches, batch_argnums, shape, limit, pipeline, repeats=1)` is a
+`weigh_schedules(call, microbatches, batch_argnums, shape, limit, pipeline, rounds=1)` is a
 search of schedules (driver.Weighing). For a stage count given, it is `weigh_microbatches`.
 For "auto", the step is planned without a pipeline and as S GPipe stages over M
 microbatches, and the plan the cost model estimates fastest among those that fit `limit` is
@@ -31,30 +31,31 @@ ROUNDS = (2, 4, 8)  # the circular schedule's rounds weighed, fewest first
 
 def weigh_schedules(call: Call, microbatches: int | str, batch_argnums: int | Sequence[int],
                     shape: MeshShape | int, limit: int | None, pipeline: int | str,
-                    repeats: int = 1) -> Weighing:
+                    rounds: int = 1) -> Weighing:
     """The search of schedules (driver.Weighing) for the options asked: `weigh_microbatches`
     for a stage count given, or for pipeline="auto" the fastest estimated schedule that fits
-    (docs/internals-planning.md). Each schedule is added here."""
+    (docs/internals-planning.md); `rounds`: the circular schedule's rounds asked (where more
+    than 1, the only ones weighed). Each schedule is added here."""
     if pipeline != "auto":
         return (yield from weigh_microbatches(call, microbatches, batch_argnums, shape, limit,
-                                              pipeline, repeats))
+                                              pipeline, rounds))
     positions = call.traced_positions(batch_argnums, "batch_argnums")
     size = batch_size(call.abstract(), positions, 1)
     tried: list[dict] = []
     best: Planned | None = None
     errors: list[AutoparError] = []
 
-    def attempt(stages: int, mesh: MeshShape | int, m: int | str, rounds: int = 1
+    def attempt(stages: int, mesh: MeshShape | int, m: int | str, r: int = 1
                 ) -> Generator[Ask, Any, Plan | AutoparError]:
         nonlocal best
         entry = {"stages": stages, "mesh": str(mesh), "microbatches": m,
-                 **({"repeats": rounds} if rounds > 1 else {})}
+                 **({"repeats": r} if r > 1 else {})}  # the JSON's key, kept
         progress.update("schedule", f"schedule {len(tried) + 1}: " + (
-            f"{stages} stages, {m} microbatches" + (f", {rounds} rounds" if rounds > 1 else "")
+            f"{stages} stages, {m} microbatches" + (f", {r} rounds" if r > 1 else "")
             if stages > 1 else f"no pipeline, {m} microbatches"))
         try:
             planned = yield from weigh_microbatches(call, m, batch_argnums, mesh, limit,
-                                                    stages, rounds)
+                                                    stages, r)
         except AutoparError as e:
             errors.append(e)
             tried.append({**entry, "left_out": _first_line(e)})
@@ -76,17 +77,17 @@ def weigh_schedules(call: Call, microbatches: int | str, batch_argnums: int | Se
     for stages, mesh in _staged_meshes(shape):
         previous = None
         for m in _microbatch_counts(stages, microbatches, size):
-            p = yield from attempt(stages, mesh, m, repeats)
+            p = yield from attempt(stages, mesh, m, rounds)
             if isinstance(p, MemoryLimitError):
                 continue  # more microbatches keep fewer activations: they may fit
             if isinstance(p, AutoparError) or (
                     previous is not None and p.cost.total_s >= previous.cost.total_s):
                 break  # refused (no stack, S does not divide it), or past the best M
             previous = p
-        if previous is None or repeats > 1:
+        if previous is None or rounds > 1:
             continue
-        for rounds in ROUNDS:  # the circular schedule at the best M
-            p = yield from attempt(stages, mesh, previous.microbatches, rounds)
+        for r in ROUNDS:  # the circular schedule at the best M
+            p = yield from attempt(stages, mesh, previous.microbatches, r)
             if isinstance(p, AutoparError) or p.cost.total_s >= previous.cost.total_s:
                 break  # R S does not divide the stack, or more rounds cost more
             previous = p

@@ -1,8 +1,8 @@
 """Pipeline parallelism: the loss's layer stack run as S stages over M microbatches (GPipe).
 
-- `check_pipeline(pipeline, microbatches, mesh, repeats=1)` raises an AutoparError unless
+- `check_pipeline(pipeline, microbatches, mesh, rounds=1)` raises an AutoparError unless
   `pipeline` is "auto" or the size S of the mesh's `stage` axis, M >= 2 where S > 1, and
-  `repeats` R is a positive int, above 1 only with S > 1 and M >= S.
+  `rounds` R is a positive int, above 1 only with S > 1 and M >= S.
 - `pipelined_value_and_grad(full, probe, ...)`: the loss's outputs and gradient, its layer
   stack pipelined. The stack (a loop over layers) must have a length S x R divides, keep
   examples apart, carry only per-example values and leave its per-layer outputs unused; the
@@ -34,14 +34,14 @@ from autopar.trace.tracer import scan_counts
 
 
 def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
-                   repeats: int = 1) -> None:
+                   rounds: int = 1) -> None:
     """An AutoparError unless `pipeline` is "auto" (planning/schedules.py) or a stage count that
     `mesh` (a Mesh, a dict of axis sizes; a device count has no 'stage' axis) has as its
     'stage' axis, with an int `microbatches` of at least 2 where it is more than 1, and
-    `repeats` (circular rounds) a positive int, more than 1 only with stages and at least as
-    many microbatches as stages."""
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise AutoparError(f"pipeline_repeats={repeats!r}: a count of rounds through the stages "
+    `rounds` (the circular schedule's, the option pipeline_repeats) a positive int, more than
+    1 only with stages and at least as many microbatches as stages."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise AutoparError(f"pipeline_repeats={rounds!r}: a count of rounds through the stages "
                            "is needed (1: GPipe's one round).")
     if pipeline == "auto":
         return
@@ -49,8 +49,8 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
         raise AutoparError(f"pipeline={pipeline!r}: a stage count is needed (1: no pipeline), "
                            "or 'auto' (the schedule chosen with the plan).")
     if pipeline == 1:
-        if repeats > 1:
-            raise AutoparError(f"pipeline_repeats={repeats} sends microbatches round the "
+        if rounds > 1:
+            raise AutoparError(f"pipeline_repeats={rounds} sends microbatches round the "
                                "stages, and there is no pipeline. Fix: pass pipeline=S too.")
         return
     if not isinstance(microbatches, int) or microbatches < 2:
@@ -59,7 +59,7 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
             f"{microbatches!r} was given. Fix: pass microbatches=M, M >= 2 (the bubble is "
             f"(S-1)/(M+S-1) of each stage's time: M = {4 * pipeline} leaves "
             f"{(pipeline - 1) / (5 * pipeline - 1):.0%}).")
-    _check_rounds(pipeline, microbatches, repeats)
+    _check_rounds(pipeline, microbatches, rounds)
     sizes = (dict(mesh.shape) if hasattr(mesh, "shape") and hasattr(mesh, "axis_names")
              else dict(mesh) if isinstance(mesh, dict) else {})
     if sizes.get(STAGE_AXIS) != pipeline:
@@ -70,25 +70,25 @@ def check_pipeline(pipeline: int | str, microbatches: int | str, mesh: Any,
             "first, as the slowest links.")
 
 
-def _check_rounds(stages: int, microbatches: int, repeats: int) -> None:
-    if repeats > 1 and microbatches < stages:
+def _check_rounds(stages: int, microbatches: int, rounds: int) -> None:
+    if rounds > 1 and microbatches < stages:
         raise AutoparError(
-            f"pipeline_repeats={repeats} sends each microbatch back to the first of {stages} "
+            f"pipeline_repeats={rounds} sends each microbatch back to the first of {stages} "
             f"stages when it leaves the last, which needs at least as many microbatches as "
             f"stages, and microbatches={microbatches}. Fix: microbatches={stages} or more.")
 
 
 def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int], out_tree: Any,
                              args: tuple, argnums: int | Sequence[int], options: dict,
-                             stages: int, microbatches: int, groups: int = 1,
-                             repeats: int = 1) -> Any:
+                             stages: int, microbatches: int, shares: int = 1,
+                             rounds: int = 1) -> Any:
     """The loss's value and gradient, its layer stack pipelined (docs/internals-steps.md).
     `full`, `probe`: the loss's jaxprs at the full batch and at one of its `parts`
-    (`microbatches` x `groups`); `diff`: the differentiated leaves; `groups`: shares per
-    microbatch (see `_pipeline`); `repeats`: the circular schedule's rounds through the
+    (`microbatches` x `shares`); `diff`: the differentiated leaves; `shares`: shares per
+    microbatch (see `_pipeline`); `rounds`: the circular schedule's rounds through the
     stages."""
-    _check_rounds(stages, microbatches, repeats)  # pipeline="auto" with microbatches given
-    analysis, full, stack = _stack_of(full, probe, parts, diff, stages, repeats)
+    _check_rounds(stages, microbatches, rounds)  # pipeline="auto" with microbatches given
+    analysis, full, stack = _stack_of(full, probe, parts, diff, stages, rounds)
     flat = jax.tree_util.tree_leaves(args)
     diff = analysis.diff_leaves
 
@@ -99,8 +99,8 @@ def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int],
 
         def run_stack(values: list) -> list:
             kinds, micro = analysis.loops[(id(stack),)]
-            return _pipeline(stack, micro, kinds, values, stages, microbatches, groups,
-                             repeats, analysis)
+            return _pipeline(stack, micro, kinds, values, stages, microbatches, shares,
+                             rounds, analysis)
         outs = _evaluate(full.jaxpr, list(full.consts), leaves, stack, run_stack)
         return outs[0], outs
 
@@ -110,13 +110,13 @@ def pipelined_value_and_grad(full: Any, probe: Any, parts: int, diff: list[int],
 
 
 def _stack_of(full: Any, probe: Any, parts: int, diff: list[int], stages: int,
-              repeats: int) -> tuple[Separability, Any, Any]:
+              rounds: int) -> tuple[Separability, Any, Any]:
     """(the loss's separability, its jaxpr, its layer stack): a loop over layers where the loss
     has one that can be pipelined, else its run of repeated layers (a Python loop of blocks)
     re-traced as one loop (blocks.py)."""
     analysis = Separability(full, probe, parts, diff)
     try:
-        return analysis, full, _find_stack(analysis, full, stages, repeats)
+        return analysis, full, _find_stack(analysis, full, stages, rounds)
     except AutoparError:
         full, probe = hoisted(full), hoisted(probe)
         found = find_blocks(full.jaxpr)
@@ -125,14 +125,15 @@ def _stack_of(full: Any, probe: Any, parts: int, diff: list[int], stages: int,
             raise
     full, probe = rolled(full, found), rolled(probe, at_microbatch)
     analysis = Separability(full, probe, parts, diff)
-    return analysis, full, _find_stack(analysis, full, stages, repeats)
+    return analysis, full, _find_stack(analysis, full, stages, rounds)
 
 
-def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1) -> Any:
+def _find_stack(analysis: Separability, full: Any, stages: int, rounds: int = 1) -> Any:
     """The loss's layer stack: its longest loop that keeps examples apart, carries only
-    per-example values and whose length `stages` x `repeats` divides."""
-    chunks = stages * repeats
-    what = f"{stages} stages" + (f" x {repeats} repeats" if repeats > 1 else "")
+    per-example values and whose length `stages` x `rounds` divides."""
+    chunks = stages * rounds
+    # the message names the option's count as pipeline_repeats= does
+    what = f"{stages} stages" + (f" x {rounds} repeats" if rounds > 1 else "")
     used_later = _used_after(full.jaxpr)
     found, why = [], []
     for eqn in full.jaxpr.eqns:
@@ -166,12 +167,12 @@ def _find_stack(analysis: Separability, full: Any, stages: int, repeats: int = 1
 
 
 def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
-              microbatches: int, groups: int = 1, repeats: int = 1,
+              microbatches: int, shares: int = 1, rounds: int = 1,
               analysis: Separability | None = None) -> list:
     """The stack equation's outputs, computed by the pipeline (`micro`: the equation traced
     at one microbatch, or one share of one, whose body each stage runs).
 
-    With `groups` G > 1 every stage computes its microbatch as G shares side by side (vmapped),
+    With `shares` G > 1 every stage computes its microbatch as G shares side by side (vmapped),
     as gradient accumulation does (accumulate.py): share g holds what the g-th of G device
     groups keeps of the batch, and uses its own copy of the stage's layers and of the stack's
     constants, broadcast [S, G, ...] before the loop. A copy's gradient is then that share's
@@ -184,7 +185,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
     stages with their microbatches."""
     p = eqn.params
     nc, ncarry = scan_counts(p)
-    s, m, g, r = stages, microbatches, groups, repeats
+    s, m, g, r = stages, microbatches, shares, rounds
     draws = analysis is not None and analysis.actions.get((id(eqn),)) == ("loop_draws",)
     plain = jaxpr_as_fun(micro.params["jaxpr"])
     body = (drawing_body(eqn, micro, analysis) if draws
@@ -214,7 +215,7 @@ def _pipeline(eqn: Any, micro: Any, kinds: list, values: list, stages: int,
         stage = jax.vmap(stage, in_axes=(0, 0, 0, 0, None, None, 0))
 
     outputs = _loop(stage, layers, fixed, inputs, streamed, examples, s, m, r)
-    # The last stage's outputs at the last M ticks (the last repeat's microbatches 0 .. M-1, in
+    # The last stage's outputs at the last M ticks (the last round's microbatches 0 .. M-1, in
     # order), taken by a sum over the stages masked to the last: an all-reduce of one stage's
     # outputs, where indexing the split dimension gathers every stage's.
     last = jnp.arange(s) == s - 1
@@ -235,16 +236,16 @@ def _loop(stage: Callable, layers: list, fixed: dict, inputs: list, streamed: di
     # the first stage's input (zeros elsewhere) and the streamed constants of the microbatch
     # each stage computes. Inside the loop each stage reads its own (no collective), and the
     # gradient of the first stage's inputs leaves the loop as one [T, S, ...] value.
-    valid, index, repeat, fresh = passes(s, m, r)
+    valid, index, round_index, fresh = passes(s, m, r)
     first = [per_stage(jnp.where(lead_mask(stage_ids == 0, x.ndim - 1), x[index], 0))
              for x in inputs]
     streamed_xs = {i: per_stage(v[index]) for i, v in streamed.items()}
     examples_xs = None if examples is None else per_stage(examples[index])
-    delay = m - s  # ticks a pass waits between the last stage and the first's next repeat
+    delay = m - s  # ticks a pass waits between the last stage and the first's next round
 
     def tick(carried: tuple, xs: tuple) -> tuple[tuple, list]:
         state, waiting = carried
-        first_t, streamed_t, valid_t, repeat_t, fresh_t, examples_t = xs
+        first_t, streamed_t, valid_t, round_t, fresh_t, examples_t = xs
         if r > 1:  # round the stages: the last stage's output reaches the first, which
             moved = [per_stage(rotate(x), 0) for x in state]  # takes it `delay` ticks later
             back = [w[:, 0] for w in waiting] if delay else moved
@@ -256,7 +257,7 @@ def _loop(stage: Callable, layers: list, fixed: dict, inputs: list, streamed: di
         shifted = [jnp.where(lead_mask(stage_ids == 0, f.ndim - 1), f, x)
                    for f, x in zip(first_t, moved)]
         new = jax.vmap(stage, in_axes=(0, None, 0, 0, 0, 0, 0))(
-            layers, fixed, [per_stage(x, 0) for x in shifted], streamed_t, valid_t, repeat_t,
+            layers, fixed, [per_stage(x, 0) for x in shifted], streamed_t, valid_t, round_t,
             examples_t)
         new = [per_stage(x, 0) for x in new]
         return (new, waiting), new
@@ -265,7 +266,7 @@ def _loop(stage: Callable, layers: list, fixed: dict, inputs: list, streamed: di
     waiting = [per_stage(jnp.zeros((s, delay, *x.shape[1:]), x.dtype), 0) for x in inputs
                ] if r > 1 and delay else []
     return jax.lax.scan(tick, (state, waiting),
-                        (first, streamed_xs, valid, repeat, fresh, examples_xs))[1]
+                        (first, streamed_xs, valid, round_index, fresh, examples_xs))[1]
 
 
 def _evaluate(jaxpr: Any, consts: list, args: list, stack: Any, run_stack: Callable) -> list:

@@ -17,31 +17,31 @@ from autopar.trace.shard import shard
 STAGE_AXIS = "stage"
 
 
-def passes(stages: int, microbatches: int, repeats: int) -> tuple[Any, Any, Any, Any]:
+def passes(stages: int, microbatches: int, rounds: int) -> tuple[Any, Any, Any, Any]:
     """Per tick and stage [T, S]: whether the stage computes a pass (not the bubble), the
     pass's microbatch and its round; per tick [T]: whether the first stage takes a new
     microbatch. Stage s computes at tick t the (t-s)-th of the R M passes: microbatch
     (t-s) mod M, in round (t-s) div M."""
-    done = (jnp.arange(repeats * microbatches + stages - 1)[:, None]
+    done = (jnp.arange(rounds * microbatches + stages - 1)[:, None]
             - jnp.arange(stages)[None, :])
-    held = jnp.clip(done, 0, repeats * microbatches - 1)
+    held = jnp.clip(done, 0, rounds * microbatches - 1)
     fresh = done[:, 0] < microbatches
-    return ((done >= 0) & (done < repeats * microbatches), held % microbatches,
+    return ((done >= 0) & (done < rounds * microbatches), held % microbatches,
             held // microbatches, fresh)
 
 
 def stage_step(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int,
-               repeats: int = 1) -> Callable:
+               rounds: int = 1) -> Callable:
     """One stage's computation at one tick (of one share): its layers in turn on its
     microbatch (carries with the batch dimension first), the stack's fixed constants `fixed`
     ({position: value}), the streamed ones its microbatch's, `examples` its examples' indices
     in the batch (`body` takes them first); `valid` False in the bubble.
-    With `repeats` R > 1 the stage holds R chunks of layers, [R, L/(S R), ...], and runs the
-    chunk of the pass's repeat."""
+    With `rounds` R > 1 the stage holds R chunks of layers, [R, L/(S R), ...], and runs the
+    chunk of the pass's round (`round_index`)."""
     def stage(layers_s: list, fixed: dict, carry_s: list, streamed_s: dict, valid: Any,
-              repeat: Any, examples: Any) -> list:
-        if repeats > 1:
-            layers_s = [jax.lax.dynamic_index_in_dim(x, repeat, 0, keepdims=False)
+              round_index: Any, examples: Any) -> list:
+        if rounds > 1:
+            layers_s = [jax.lax.dynamic_index_in_dim(x, round_index, 0, keepdims=False)
                         for x in layers_s]
         layers_s = [bubble_cut(x, valid) for x in layers_s]
         carry_s = [bubble_cut(c, valid) for c in carry_s]
@@ -53,7 +53,7 @@ def stage_step(body: Callable, const_kinds: list, carry_kinds: list, ncarry: int
             out = body(examples, *consts_s, *c, *x)[:ncarry]
             return [jnp.moveaxis(v, k.batch, 0) for v, k in zip(out, carry_kinds)], None
         return jax.lax.scan(layer, carry_s, layers_s)[0]
-    if repeats > 1:
+    if rounds > 1:
         return jax.checkpoint(stage, policy=jax.checkpoint_policies.dots_saveable)
     return stage
 
@@ -92,19 +92,19 @@ def _bubble_cut_backward(valid: Any, grad: Any) -> tuple[Any, None]:
 bubble_cut.defvjp(_bubble_cut_forward, _bubble_cut_backward)
 
 
-def stage_layers(x: Any, stages: int, repeats: int, index: int) -> Any:
+def stage_layers(x: Any, stages: int, rounds: int, index: int) -> Any:
     """The stack's per-layer input `index`, [L, ...], as each stage holds it: [S, L/S, ...],
-    layers s L/S .. of stage s; with R repeats [S, R, L/(S R), ...], chunk r of stage s the
+    layers s L/S .. of stage s; with R rounds [S, R, L/(S R), ...], chunk r of stage s the
     layers of the (r S + s)-th of the S R consecutive chunks (the circular schedule's
     placement). There its read is marked, for the planning to find whether it may be stored
     in that placement, and where it is (stored.py) it is read as stored."""
     length, rest = x.shape[0], x.shape[1:]
-    if repeats > 1:
+    if rounds > 1:
         x = stack_read(x, index)
-    if repeats == 1 or is_stored(index):
-        return jnp.reshape(x, (stages, *([repeats] if repeats > 1 else []),
-                               length // (stages * repeats), *rest))
-    chunks = jnp.reshape(x, (repeats, stages, length // (stages * repeats), *rest))
+    if rounds == 1 or is_stored(index):
+        return jnp.reshape(x, (stages, *([rounds] if rounds > 1 else []),
+                               length // (stages * rounds), *rest))
+    chunks = jnp.reshape(x, (rounds, stages, length // (stages * rounds), *rest))
     return jnp.swapaxes(chunks, 0, 1)
 
 
