@@ -4,6 +4,7 @@ that reports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from autopar.rules.factors import Spec, Strategy
 from autopar.trace.ir import OpGraph
@@ -20,9 +21,14 @@ class Decisions:
     # (fitting._propagated: where that program fits memory_limit and the pinned one does not).
     pinned_inside: bool = True
 
-    def tensor_specs(self, graph: OpGraph) -> dict[int, Spec]:
-        """The sharding each tensor has when produced."""
+    def tensor_specs(self, graph: OpGraph) -> Mapping[int, Spec]:
+        """The sharding each tensor has when produced: made once per graph (a candidate's tally
+        and memory estimate each ask for it), and shared, so read it, never write it."""
+        made = self.__dict__.get("_specs")
+        if made is not None and made[0] is graph:
+            return made[1]
         specs = {t: s for t, s in zip(graph.inputs, self.inputs)}
         for op, st in zip(graph.ops, self.ops):
             specs.update(zip(op.outputs, st.out_specs))
+        self.__dict__["_specs"] = (graph, specs)
         return specs

@@ -62,6 +62,14 @@ def op_signatures(graph: OpGraph) -> tuple[tuple, ...]:
     return tuple(op_signature(op, graph.tensors, facts) for op in graph.ops)
 
 
+@per_graph
+def signature_ids(graph: OpGraph) -> tuple[int, ...]:
+    """Per operator, a number equal where their op_signatures are: a key that hashes at once
+    (the tally of every candidate looks each operator up)."""
+    ids: dict[tuple, int] = {}
+    return tuple(ids.setdefault(s, len(ids)) for s in op_signatures(graph))
+
+
 def terminal_values(graph: OpGraph) -> frozenset[int]:
     """Values that reach nothing but the step's results, through elementwise and layout
     operators only (a loss, a metric)."""

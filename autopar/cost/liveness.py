@@ -10,10 +10,10 @@ from typing import Any, Iterable
 from autopar.cost.estimate import (KINDS, Buffer, MemoryEstimate, buffer_name, step_name,
                                    timeline_of)
 from autopar.cost.loop_bodies import body_collectives, body_peak, body_sum, converted_stacks
-from autopar.cost.model import shard_bytes
+from autopar.cost.model import group_size, shard_bytes
 from autopar.cost.xla.buffers import BufferModel
 from autopar.mesh import MeshShape
-from autopar.rules.factors import Spec, replicated
+from autopar.rules.factors import Spec
 from autopar.trace.analysis import backward_steps, edges, per_graph, recomputed_layer_of
 from autopar.trace.ir import OpGraph
 
@@ -73,6 +73,7 @@ class _Walk:
     copied: list[int]  # donated inputs copied before their update
     in_loops: tuple[dict[tuple[int, int], Spec], dict[int, int]]  # see loop_body_collectives
     transposed_from: dict[tuple[int, int], int] = field(default_factory=dict)
+    ways: dict[Spec, int] = field(default_factory=dict)  # spec -> shards (see size)
 
     @classmethod
     def start(cls, graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape,
@@ -127,12 +128,16 @@ class _Walk:
                    frozenset(early), layer_at, needed, aliased, copied, in_loops)
 
     def size(self, t: int) -> int:
+        """The bytes of `t` on one device (shard_bytes; asked for every buffer of a walk, so
+        each spec's count of shards is worked out once)."""
         tensor = self.graph.tensors[t]
         if tensor.const:
             return 0
         spec = self.specs.get(t)
-        return int(shard_bytes(tensor, replicated(len(tensor.shape)) if spec is None else spec,
-                               self.mesh))
+        ways = 1 if spec is None else self.ways.get(spec)
+        if ways is None:
+            ways = self.ways[spec] = group_size(self.mesh, [a for axes in spec for a in axes])
+        return int(tensor.nbytes / ways)
 
     def last_read(self, steps: Iterable[int], default: int) -> int:
         return _last_read(self.graph.program, self.materialised, self.last, steps, default,
@@ -241,7 +246,7 @@ class _Walk:
         made: the transposed copy lives from then, the resharded value only until it is
         transposed."""
         program, when = self.graph.program, self.when
-        transposed = {(i, k) for i, k, _ in self.model.transposed_operands(self.graph)}
+        transposed = _transposed(self.graph, self.model)
         whole_until = self._whole_until()
         out = []
         for (t, spec), steps in self.merged.items():
@@ -362,6 +367,12 @@ class _Walk:
                               tuple((buffer_name(graph, self.producer_step, b), b.nbytes)
                                     for b in held[:5]),
                               timeline_of(series))
+
+
+@per_graph  # read by every estimate
+def _transposed(graph: OpGraph, model: BufferModel) -> frozenset[tuple[int, int]]:
+    """(step, operand) of each operand `model`'s compiler transposes into a copy for its step."""
+    return frozenset((i, k) for i, k, _ in model.transposed_operands(graph))
 
 
 @per_graph

@@ -26,7 +26,7 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec
-from autopar.trace.analysis import edges, roles
+from autopar.trace.analysis import edges, per_graph, roles
 from autopar.trace.ir import OpGraph
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -50,15 +50,22 @@ def parse_bytes(value: int | float | str) -> int:
 
 def operand_reshards(graph: OpGraph, decisions: Decisions) -> dict[tuple[int, int], Spec]:
     """(step, operand) -> the sharding the operand is resharded to, where it is."""
-    produced = decisions.tensor_specs(graph)
+    produced, ops = decisions.tensor_specs(graph), decisions.ops
     out = {}
-    for i, step in enumerate(graph.program):
-        for k, (t, need) in enumerate(zip(step.inputs, step.requires)):
-            if need is not None:
-                spec = decisions.ops[need[0]].in_specs[need[1]]
-                if spec != produced.get(t):
-                    out[(i, k)] = spec
+    for i, k, t, (op, operand) in _required(graph):
+        spec = ops[op].in_specs[operand]
+        if spec != produced.get(t):
+            out[(i, k)] = spec
     return out
+
+
+@per_graph  # read by every memory estimate
+def _required(graph: OpGraph) -> tuple[tuple[int, int, int, tuple[int, int]], ...]:
+    """(step, operand, tensor, (op, its operand)) of every program step's operand whose
+    sharding a planning op's strategy fixes (Equation.requires)."""
+    return tuple((i, k, t, need) for i, step in enumerate(graph.program)
+                 for k, (t, need) in enumerate(zip(step.inputs, step.requires))
+                 if need is not None)
 
 
 def loop_body_collectives(graph: OpGraph, decisions: Decisions, mesh: MeshShape

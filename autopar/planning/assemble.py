@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from autopar.cost.estimate import MemoryEstimate
-from autopar.cost.facts import op_signatures, summed_pairs, value_facts
+from autopar.cost.facts import signature_ids, summed_pairs, value_facts
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import memory_json, plan_memory
 from autopar.cost.model import op_collectives, op_time, partial_sum, shard_bytes
@@ -107,7 +107,7 @@ def _counted(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     recomputed = recomputed_ops(graph, decisions.recompute)
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
-    facts, signatures = value_facts(graph), op_signatures(graph)
+    facts, signatures = value_facts(graph), signature_ids(graph)
     merged = _summed_alike(graph, decisions, mesh, hw)
     for op, st in zip(graph.ops, decisions.ops):
         key = (signatures[op.id], st)

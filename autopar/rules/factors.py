@@ -111,6 +111,14 @@ class Strategy:
     # where the axis also shards the result (see `scattered`)
     parallel: int  # how many devices share the work
 
+    def __hash__(self) -> int:  # strategies key the costs of every tally: hashed once
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.assignment, self.in_specs, self.out_specs, self.partial_axes,
+                     self.parallel))
+
     def describe(self) -> str:
         ins = ", ".join(spec_str(s) for s in self.in_specs)
         outs = ", ".join(spec_str(s) for s in self.out_specs)

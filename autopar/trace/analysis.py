@@ -89,10 +89,16 @@ def roles(graph: OpGraph) -> dict[int, str]:
     return out
 
 
+@per_graph  # read by every tally and estimate of a plan with recomputed layers
+def producers(graph: OpGraph) -> dict[int, tuple[int, int]]:
+    """graph.producers(), made once per graph; read it, never write it."""
+    return graph.producers()
+
+
 @per_graph
 def backward_steps(graph: OpGraph) -> frozenset[int]:
     """Program steps that belong to the backward pass."""
-    producer = graph.producers()
+    producer = producers(graph)
     out = set()
     for i, step in enumerate(graph.program):
         ops = [graph.ops[producer[t][0]] for t in step.outputs if t in producer]
@@ -105,7 +111,7 @@ def backward_steps(graph: OpGraph) -> frozenset[int]:
 def layer_steps(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     """The forward program steps of every layer that can be recomputed: plain equations (not
     loops) before the backward pass, in a numbered scope."""
-    producer = graph.producers()
+    producer = producers(graph)
     backward = backward_steps(graph)
     first_bwd = min(backward, default=len(graph.program))
     out: dict[str, list[int]] = {}
@@ -132,7 +138,7 @@ def recomputed_ops(graph: OpGraph, steps: Iterable[int]) -> set[int]:
     steps = set(steps)
     if not steps:
         return set()
-    producer = graph.producers()
+    producer = producers(graph)
     return {producer[t][0] for i in steps for t in graph.program[i].outputs if t in producer}
 
 
