@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec
 from autopar.errors import AutoparError, MemoryLimitError
 from autopar.cost.resharding import reshard_sequence
 from autopar.mesh import mesh_shape
-from autopar.plan import OpDecision, Plan, Redistribution, TensorPlan
+from autopar.plan_record import OpDecision, PlanRecord, Redistribution, TensorPlan
 from autopar.rules.factors import to_partition_spec
 
-Replan = Callable[[dict[str, PartitionSpec], bool], Plan]  # (pins, keep the memory limit)
+Replan = Callable[[dict[str, PartitionSpec], bool], PlanRecord]  # (pins, keep the memory limit)
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,11 @@ class Explanation:
 UNLIMITED = 1 << 62  # bytes: a memory limit every plan meets
 
 
-def explainable(made: Plan, plan: Callable[..., Plan], fn: Callable, args: tuple,
-                annotations: Any, options: dict[str, Any]) -> Plan:
+def explainable(made: PlanRecord, plan: Callable[..., PlanRecord], fn: Callable, args: tuple,
+                annotations: Any, options: dict[str, Any]) -> PlanRecord:
     """`made` with how to plan `fn(*args)` again (by `plan`, autopar.plan) with inputs pinned:
     the same `options` and schedule, the pins before the user's `annotations`."""
-    def replan(pins: dict[str, PartitionSpec], keep_limit: bool) -> Plan:
+    def replan(pins: dict[str, PartitionSpec], keep_limit: bool) -> PlanRecord:
         given = annotations if isinstance(annotations, dict) else {}
         return plan(fn, *args, **{**options, "annotations": {**pins, **given},
                                   "memory_limit": options["memory_limit"] if keep_limit
@@ -125,7 +125,7 @@ class ScopeExplanation:
         return "\n".join(lines)
 
 
-def explain(plan: Plan, path: str, replanner: Replanner | None, alternatives: int
+def explain(plan: PlanRecord, path: str, replanner: Replanner | None, alternatives: int
             ) -> Explanation | ScopeExplanation:
     """See Plan.explain."""
     tensor = next((t for t in plan.inputs if t.path == path), None)
@@ -203,7 +203,7 @@ def _tried(replan: Replan, path: str, spec: PartitionSpec) -> Alternative:
         return Alternative(spec, why_not=_line(e))
 
 
-def _decided(plan: Plan, tried: tuple[Alternative, ...]) -> str:
+def _decided(plan: PlanRecord, tried: tuple[Alternative, ...]) -> str:
     total, stats = plan.cost.total_s, plan.search_stats
     unfit = [a for a in tried if a.unlimited_s is not None and a.unlimited_s < total]
     if unfit:
@@ -228,7 +228,7 @@ def _decided(plan: Plan, tried: tuple[Alternative, ...]) -> str:
             + (f" ({'; '.join(notes)})" if notes else ""))
 
 
-def _scope(plan: Plan, scope: str, ops: tuple[OpDecision, ...]) -> ScopeExplanation:
+def _scope(plan: PlanRecord, scope: str, ops: tuple[OpDecision, ...]) -> ScopeExplanation:
     ids = {o.index for o in ops}
     moved = tuple(r for r in plan.redistributions
                   if (m := re.search(r"#(\d+)", r.where)) and int(m.group(1)) in ids)

@@ -14,7 +14,7 @@ from autopar.cost.estimate import mib
 from autopar.cost.resharding import reshard_sequence
 from autopar.explain import partial_sums
 from autopar.mesh import mesh_shape
-from autopar.plan import Plan
+from autopar.plan_record import PlanRecord
 from autopar.plan_text import bound_line
 from autopar.rules.factors import to_partition_spec
 
@@ -26,7 +26,7 @@ code{font-size:13px}.peak{fill:#c0392b}.note{color:#666}"""
 LAYER = re.compile(r"(?:^|/)([A-Za-z][A-Za-z0-9]*_\d+)(?:/|$)")  # block_3, layers_0, Dense_1
 
 
-def plan_page(plan: Plan, title: str = "autopar plan") -> str:
+def plan_page(plan: PlanRecord, title: str = "autopar plan") -> str:
     """The page's HTML."""
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
              f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>",
@@ -36,7 +36,7 @@ def plan_page(plan: Plan, title: str = "autopar plan") -> str:
     return "\n".join(parts)
 
 
-def _overview(plan: Plan) -> str:
+def _overview(plan: PlanRecord) -> str:
     c, m = plan.cost, plan.memory
     rows = [("mesh", ", ".join(f"{n}={s}" for n, s in plan.mesh)), ("search", plan.search),
             ("hardware profile", plan.hardware)]
@@ -57,7 +57,7 @@ def _overview(plan: Plan) -> str:
     return _table(None, rows)
 
 
-def _mesh(plan: Plan) -> str:
+def _mesh(plan: PlanRecord) -> str:
     """The devices as a grid: the first axis down, the others across (row-major)."""
     names, sizes = [n for n, _ in plan.mesh], [s for _, s in plan.mesh]
     down = sizes[0] if len(sizes) > 1 else 1
@@ -76,7 +76,7 @@ def _mesh(plan: Plan) -> str:
             "</p>")
 
 
-def _layers(plan: Plan) -> str:
+def _layers(plan: PlanRecord) -> str:
     """Per layer: its parameters' specs, and with a detailed plan its products' results."""
     params: dict[str, list] = defaultdict(list)
     for t in plan.inputs:
@@ -99,7 +99,7 @@ def _layers(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def _collectives(plan: Plan) -> str:
+def _collectives(plan: PlanRecord) -> str:
     """Seconds per step by layer, collective kind and mesh axes: operators' partial sums and
     the plan's reshardings."""
     mesh = mesh_shape(dict(plan.mesh))
@@ -128,7 +128,7 @@ def _collectives(plan: Plan) -> str:
     return _table(("layer", "kind", "mesh axes", "count", "ms per step"), rows)
 
 
-def _memory(plan: Plan) -> str:
+def _memory(plan: PlanRecord) -> str:
     m = plan.memory
     out = []
     points = m.get("timeline") or []

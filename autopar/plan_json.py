@@ -20,12 +20,12 @@ from typing import Any, Sequence
 from autopar.name_ranges import collapse, expand
 from autopar.placement.lanes import Lanes
 from autopar.placement.storable import Storage
-from autopar.plan import Decision, OpDecision, Plan, Redistribution, Repeat, TensorPlan
+from autopar.plan_record import (Decision, OpDecision, PlanRecord, Redistribution, Repeat,
+                                 TensorPlan)
 from autopar.plan_check import check_axes, check_document
 from autopar.plan_stats import Cost, SearchStats
 from autopar.rules.factors import Spec
 from autopar.rules.kinds import decides
-from autopar.trace.layers import instance_of, layer_key
 
 FORMAT_VERSION = 2
 READS = (1, 2)  # version 1: specs as lists of axis lists, every operator in `ops`
@@ -205,7 +205,7 @@ def redistribution_from(d: dict) -> Redistribution:
                           bool(d["annotated"]))
 
 
-def plan_body(plan: Plan, detail: bool) -> dict[str, Any]:
+def plan_body(plan: PlanRecord, detail: bool) -> dict[str, Any]:
     """The JSON document of `plan`, top-down; with `detail`, every operator as well."""
     body = {
         "format_version": FORMAT_VERSION,
@@ -324,42 +324,3 @@ def dumps(body: dict[str, Any]) -> str:
             lines.append(f"{json.dumps(key)}: {json.dumps(value)}{comma}")
     lines.append("}")
     return "\n".join(lines)
-
-
-def compact_decisions(ops: Sequence[OpDecision]) -> tuple[Decision | Repeat, ...]:
-    """The deciding operators' decisions in operator order; an instance of a repeated layer
-    whose decisions equal an earlier instance's (same operators, shapes and specs, in order)
-    becomes one Repeat after that instance's last entry."""
-    deciding = [o for o in ops if decides(o.primitive, o.in_shapes, o.out_shapes)]
-    members: dict[str, list[OpDecision]] = defaultdict(list)
-    for o in deciding:
-        inst = instance_of(o.scope)
-        if inst is not None:
-            members[inst].append(o)
-    first: dict[tuple, str] = {}
-    same_as: dict[str, str] = {}
-    for inst, group in members.items():
-        key = (layer_key(inst), tuple((o.primitive, o.backward, o.scope[len(inst):], o.in_shapes,
-                                       o.in_specs, o.out_specs, o.partial_axes) for o in group))
-        if key in first:
-            same_as[inst] = first[key]
-        else:
-            first[key] = inst
-    copies: dict[str, list[str]] = defaultdict(list)
-    for inst, target in same_as.items():
-        copies[target].append(inst)
-    out: list[Decision | Repeat] = []
-    after: dict[str, int] = {}  # instance -> position after its last entry
-    for o in deciding:
-        inst = instance_of(o.scope)
-        if inst in same_as:
-            continue
-        out.append(Decision(o.index, o.primitive, o.scope, o.backward, o.in_shapes, o.in_specs,
-                            o.out_specs, o.partial_axes))
-        if inst in copies:
-            after[inst] = len(out)
-    for target, at in sorted(after.items(), key=lambda item: -item[1]):
-        # in the order their JSON pattern expands to, so that a plan read back compares equal
-        names = tuple(n for p in collapse(copies[target]) for n in expand(p))
-        out.insert(at, Repeat(names, target))
-    return tuple(out)

@@ -6,12 +6,12 @@ from typing import Any, Mapping
 
 from autopar.name_ranges import collapse
 from autopar.placement.storable import Storage
-from autopar.plan import Plan, TensorPlan
+from autopar.plan_record import PlanRecord, TensorPlan
 from autopar.plan_stats import SearchStats
 from autopar.trace.layers import layer_key
 
 
-def summary(plan: Plan, limit: int = 40) -> str:
+def summary(plan: PlanRecord, limit: int = 40) -> str:
     """See Plan.summary."""
     rows = [(p, str(t.partition_spec), f"{t.bytes_per_device:,}")
             for p, t in _grouped(plan.inputs)]

@@ -15,12 +15,13 @@ PHASES = (("autopar.errors", "autopar.mesh", "autopar.progress", "autopar.collec
           ("autopar.decisions", "autopar.schedule", "autopar.plan_stats"),
           ("autopar.cost",),
           ("autopar.placement",), ("autopar.distributed",), ("autopar.calling",),
-          ("autopar.rewrite",), ("autopar.plan",), ("autopar.planning",),
-          ("autopar.lower", "autopar.lower_loop"))
-# A Plan's views (its text, JSON, explanation and page) take a Plan, and Plan's methods call
-# them: plan.py imports them when a method is called.
-LAZY = {("autopar.plan", "autopar.plan_json"), ("autopar.plan", "autopar.plan_text"),
-        ("autopar.plan", "autopar.explain"), ("autopar.plan", "autopar.plan_html")}
+          ("autopar.rewrite",),
+          # the plan's record, its views (text, JSON, explanation, page) that read it, and
+          # autopar.Plan, the record with the views as its methods
+          ("autopar.plan", "autopar.plan_record", "autopar.plan_text", "autopar.plan_json",
+           "autopar.plan_check", "autopar.plan_html", "autopar.explain", "autopar.name_ranges"),
+          ("autopar.planning",), ("autopar.lower", "autopar.lower_loop"))
+LAZY: set[tuple[str, str]] = set()  # no autopar module is imported inside a function
 
 
 def modules() -> dict[str, ast.Module]:

@@ -338,10 +338,31 @@ def register(primitive: str, rule: RuleFn) -> None:
     if RULES.get(primitive, rule) is not rule:
         raise ValueError(f"primitive {primitive!r} already has a sharding rule")
     RULES[primitive] = rule
+    _MADE.clear()
+
+
+# Rules made, by primitive, shapes and params: a model's layers ask for the same rules again
+# and again (96 layers, 50,000 operators, a few hundred distinct rules). Rules are frozen.
+_MADE: dict[tuple, Rule | None] = {}
+_MADE_MOST = 1 << 16
 
 
 def rule_for(primitive: str, ins: list[Shape], outs: list[Shape], params: dict) -> Rule | None:
     """The rule of one operator, or None when the primitive has none (replicate it)."""
+    try:
+        key = (primitive, tuple(map(tuple, ins)), tuple(map(tuple, outs)),
+               tuple(sorted(params.items())))
+        made = _MADE.get(key, key)  # hashes the params: a jaxpr's by identity, arrays fail
+    except TypeError:
+        return _rule(primitive, ins, outs, params)
+    if made is key:
+        if len(_MADE) >= _MADE_MOST:
+            _MADE.clear()
+        made = _MADE[key] = _rule(primitive, ins, outs, params)
+    return made
+
+
+def _rule(primitive: str, ins: list[Shape], outs: list[Shape], params: dict) -> Rule | None:
     fn = RULES.get(primitive)
     if fn is None:
         return None
