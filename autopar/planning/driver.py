@@ -60,6 +60,10 @@ class Planning:
     # (mesh, decisions) -> their tally and memory estimate: prices a bisection apart often
     # find the same decisions
     costed: dict[tuple, tuple] = field(default_factory=dict)
+    # (mesh, price, kept-bytes cap) -> the search's answer: recomputing layers changes a
+    # plan's cost and memory, not what the search finds at a price, and the budget tries the
+    # prices it tried without recompute again with it
+    solved: dict[tuple, Any] = field(default_factory=dict)
     schedule: Schedule = Schedule()  # how the traced step accumulates and pipelines
     stored: Storage | None = None  # the stack's leaves kept in placement (placement/stored.py)
     lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)
@@ -163,9 +167,12 @@ class Planning:
         if key in self.attempts:
             return self.attempts[key]
         problems = self.problems.setdefault(shape, {})
-        with progress.stage("searching", f"searching ({self.search})"):
-            solved = solve(self.graph, shape, self.hw, self.search, pinned, price, self.units,
-                           problems, kept_budget)
+        searched = (shape, price, kept_budget)
+        if searched not in self.solved:
+            with progress.stage("searching", f"searching ({self.search})"):
+                self.solved[searched] = solve(self.graph, shape, self.hw, self.search, pinned,
+                                              price, self.units, problems, kept_budget)
+        solved = self.solved[searched]
         decisions = dataclasses.replace(solved.decisions, recompute=recompute)
         same = (shape, tuple(decisions.inputs), tuple(decisions.ops), recompute)
         if same not in self.costed:
