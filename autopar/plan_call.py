@@ -50,7 +50,8 @@ def plan_call(call: Call, mesh: MeshShape | int, request: Request,
        planning/microbatches.py);
     2. the step is traced under that schedule;
     3. and searched on each mesh within the memory limit (Planning.plan, planning/budget.py);
-    4. the search of schedules keeps the fastest estimated plan that fits;
+    4. the search of schedules keeps the fastest estimated plan that fits, and that plan
+       alone is bounded (its distance from the optimum: Planning.bounded);
     5. with `check`, that plan is compiled where its memory estimate's error could decide,
        and planned again where XLA needs more (fitting.py).
     Without `check`, the Planned; with it, the step to run that `check.make` made. Each
@@ -69,9 +70,11 @@ def plan_call(call: Call, mesh: MeshShape | int, request: Request,
             break
         try:
             planning = traced(asked.schedule)  # 2. traced
-            outcome = planning.plan(asked.mesh, asked.limit)  # 3. searched within the limit
+            # 3. searched within the limit; bounded below only if kept
+            outcome = planning.plan(asked.mesh, asked.limit, bound=False)
         except AutoparError as e:  # told to the search of schedules, which may go on
             outcome = e
+    kept = kept.planning.bounded(kept)
     if check is None:
         return kept
     return fitted(kept, request.memory_limit, check.make, check.compiled_of)  # 5. checked

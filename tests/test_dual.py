@@ -188,3 +188,25 @@ def test_the_bound_is_computed_once_a_plan_not_once_a_memory_round(monkeypatch):
     assert plan.search_stats["memory_solves"] > 1 and calls == [1]
     assert plan.search_stats["lower_bound"] <= plan.search_stats["objective_s"]
     assert not plan.search_stats["exact"]  # a memory price: not the fastest fitting, proven
+
+
+def test_the_bound_is_computed_once_for_the_schedule_kept_not_for_each_weighed(monkeypatch):
+    """pipeline="auto" plans each schedule worth weighing; only the plan kept is bounded,
+    and it carries its bound."""
+    import autopar
+    import autopar_search
+    import models
+    import optax
+    calls = []
+    real = autopar_search.dual_bound
+    monkeypatch.setattr(autopar_search, "dual_bound",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = dict(vocab=32, d_model=16, heads=2, layers=2, scan=True)
+    _, state, data = models.gpt_abstract(batch=8, seq=4, **config)
+    step = models.linen_step(models.GPT(**config), models.token_loss, optax.adamw(1e-3),
+                             autopar.value_and_grad)
+    plan = autopar.plan(step, state, data, mesh={"stage": 2, "data": 2}, pipeline="auto",
+                        search="recursive_programming", hardware="h100")
+    weighed = [t for t in plan.search_stats["schedules_tried"] if "total_ms" in t]
+    assert len(weighed) > 1 and calls == [1]
+    assert plan.search_stats["lower_bound"] <= plan.search_stats["objective_s"]

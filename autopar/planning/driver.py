@@ -22,6 +22,7 @@ from autopar.mesh import MeshShape
 from autopar.placement.lanes import Lanes, traced_lanes
 from autopar.placement.storable import Storage, storage
 from autopar.plan import Plan
+from autopar.plan_stats import SearchStats
 from autopar.planning.assemble import Candidate, assemble, pipeline_detail, tally, written_up
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
@@ -117,11 +118,13 @@ class Planning:
                    time.perf_counter() - t0, schedule=schedule, stored=stored, lanes=lanes,
                    plan_out_tree=plan_out_tree)
 
-    def plan(self, mesh: MeshShape | int, memory_limit: int | None = None) -> Planned:
+    def plan(self, mesh: MeshShape | int, memory_limit: int | None = None,
+             bound: bool = True) -> Planned:
         """Pin, search and assemble on `mesh`. A device count tries every mesh shape of that
         many devices (`candidate_meshes`) on which the annotations apply, and keeps the plan of
         least estimated cost. With `memory_limit` (bytes per device), only plans that fit it
-        (`budget`)."""
+        (`budget`). `bound` False leaves the plan's dual bound to `bounded`: the search of
+        schedules bounds only the plan it keeps."""
         shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
         prove = self.prove and self.search == "dynamic_programming"
         best = None
@@ -147,11 +150,9 @@ class Planning:
         if best is None:
             raise fit_error or first_error
         shape, chosen = best
-        with progress.stage("bounding", "bounding the plan's distance from the optimum"):
-            stats = with_dual_bound(self.graph, shape, self.hw, self.search, pins[shape],
-                                    self.units, self.problems.setdefault(shape, {}),
-                                    chosen.stats)
-        chosen = dataclasses.replace(chosen, stats=exactness(stats))
+        if bound:
+            chosen = dataclasses.replace(chosen, stats=self._bound(shape, pins[shape],
+                                                                   chosen.stats))
         plan = written_up(self.graph, chosen, shape, self.hw, self.search, self.in_tree,
                           self.plan_out_tree, memory_limit, self.buffers)
         plan = dataclasses.replace(plan, **self.schedule.plan_fields(), stored=self.stored,
@@ -159,6 +160,22 @@ class Planning:
         if self.schedule.stages > 1:
             plan = dataclasses.replace(plan, pipeline=pipeline_detail(self.graph, plan))
         return Planned(self, chosen.decisions, plan, mesh)
+
+    def bounded(self, planned: Planned) -> Planned:
+        """`planned` (planned here with bound=False) with its plan's dual bound and
+        exactness."""
+        plan = planned.plan
+        shape = MeshShape(*map(tuple, zip(*plan.mesh)))
+        pinned = resolve_annotations(self.graph, shape, self.annotations)
+        return dataclasses.replace(planned, plan=dataclasses.replace(
+            plan, search_stats=self._bound(shape, pinned, plan.search_stats)))
+
+    def _bound(self, shape: MeshShape, pinned: dict[int, Spec], stats: SearchStats
+               ) -> SearchStats:
+        with progress.stage("bounding", "bounding the plan's distance from the optimum"):
+            stats = with_dual_bound(self.graph, shape, self.hw, self.search, pinned,
+                                    self.units, self.problems.setdefault(shape, {}), stats)
+        return exactness(stats)
 
     def _attempt(self, shape: MeshShape, pinned: dict[int, Spec], price: float,
                  recompute: frozenset, kept_budget: float | None) -> Candidate:
