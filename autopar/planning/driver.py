@@ -18,7 +18,7 @@ from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
 from autopar.decisions import Decisions
 from autopar.errors import AutoparError, AutoparWarning
-from autopar.mesh import MeshShape
+from autopar.mesh import MeshShape, mesh_shape
 from autopar.placement.lanes import Lanes, traced_lanes
 from autopar.placement.storable import Storage, storage
 from autopar.plan import Plan
@@ -165,7 +165,7 @@ class Planning:
         """`planned` (planned here with bound=False) with its plan's dual bound and
         exactness."""
         plan = planned.plan
-        shape = MeshShape(*map(tuple, zip(*plan.mesh)))
+        shape = mesh_shape(dict(plan.mesh))
         pinned = resolve_annotations(self.graph, shape, self.annotations)
         return dataclasses.replace(planned, plan=dataclasses.replace(
             plan, search_stats=self._bound(shape, pinned, plan.search_stats)))

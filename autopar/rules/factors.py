@@ -54,6 +54,9 @@ class Rule:
     def __hash__(self) -> int:  # with the sizes: rules that differ only in them are many
         return self._hash
 
+    def __getstate__(self) -> dict:  # a string's hash differs between processes: not pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @functools.cached_property
     def _hash(self) -> int:  # rules key the strategy caches: hashed on every lookup
         return hash(self.key)
@@ -113,6 +116,9 @@ class Strategy:
 
     def __hash__(self) -> int:  # strategies key the costs of every tally: hashed once
         return self._hash
+
+    def __getstate__(self) -> dict:  # a string's hash differs between processes: not pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @functools.cached_property
     def _hash(self) -> int:
