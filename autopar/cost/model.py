@@ -18,6 +18,7 @@ from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
 from autopar.rules.kinds import FUSED, FUSING_READERS, SCATTER_ADD, SHIFTING
 from autopar.rules.layout import shifts
+from autopar.rules.table import flops_for
 from autopar.trace.analysis import per_graph
 from autopar.trace.ir import Op, OpGraph, Tensor
 
@@ -71,19 +72,9 @@ def _ways(spec: Spec, mesh: MeshShape) -> int:
 
 
 def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:
-    """Floating-point operations of one execution of the op, unsharded."""
-    ins = [tensors[t] for t in op.inputs]
-    outs = [tensors[t] for t in op.outputs]
-    out_elems = sum(math.prod(t.shape) for t in outs)
-    if op.primitive == "dot_general":
-        (lc, _), _ = op.params["dimension_numbers"]
-        return 2.0 * out_elems * math.prod(ins[0].shape[d] for d in lc)
-    if op.primitive == "conv_general_dilated":
-        rhs = ins[1].shape
-        dn = op.params["dimension_numbers"]
-        window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
-        return 2.0 * out_elems * rhs[dn.rhs_spec[1]] * window
-    return float(max([out_elems] + [math.prod(t.shape) for t in ins]))
+    """Floating-point operations of one execution of the op, unsharded (rules.table.FLOPS)."""
+    return flops_for(op.primitive, [tensors[t].shape for t in op.inputs],
+                     [tensors[t].shape for t in op.outputs], op.params)
 
 
 @per_graph  # asked by every memory estimate of the graph
