@@ -105,18 +105,19 @@ def kept_problem(problems: dict | None, key: Any, build: Callable[[], Problem]) 
     return problems[key]
 
 
-def make_units(graph: OpGraph) -> list[Unit]:
+def make_units(graph: OpGraph, priced: bool = True) -> list[Unit]:
     """One unit per non-constant input, then one per op; warns about ops without a rule.
 
     Units depend on the graph alone: one list serves every search of the graph (each mesh,
-    round and memory price)."""
+    round and memory price). `priced` False leaves out what only a search prices with (cost
+    keys, ties, alike units): enough to apply a saved plan (planning/saved.py)."""
     units = []
     for t in graph.inputs:
         tensor = graph.tensors[t]
         if not tensor.const:
             units.append(Unit(tensor.path or f"input {t}", _input_rule(tensor), (), (t,), None))
     missing: dict[str, list[str]] = defaultdict(list)
-    signatures = op_signatures(graph)
+    signatures = op_signatures(graph) if priced else [()] * len(graph.ops)
     for op in graph.ops:
         ins = [graph.tensors[t].shape for t in op.inputs]
         outs = [graph.tensors[t].shape for t in op.outputs]
@@ -134,7 +135,7 @@ def make_units(graph: OpGraph) -> list[Unit]:
         warnings.warn(f"autopar has no sharding rule for primitive '{primitive}' "
                       f"({len(sources)} use(s), at {where}); it runs replicated.",
                       AutoparWarning, stacklevel=4)
-    return alike_units(graph, units, repeated_ties(graph, units))
+    return alike_units(graph, units, repeated_ties(graph, units)) if priced else units
 
 
 def alike_units(graph: OpGraph, units: list[Unit], ties: dict[int, int]) -> list[Unit]:

@@ -160,7 +160,7 @@ def _rebuilt_ops(graph: OpGraph, decided: Sequence[Decision | Repeat],
     if problems:
         return []
     mesh = canonical(shape)
-    units = make_units(graph)
+    units = make_units(graph, priced=False)
     producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
     made: list[tuple[Spec, ...]] = []  # unit -> the specs of its results
     ops: list[Strategy] = [None] * len(graph.ops)  # type: ignore[list-item]
