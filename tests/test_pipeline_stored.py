@@ -156,3 +156,30 @@ def test_storable_follows_the_layer_dimension():
 
     paths, refused = _stored_paths(moved, (w, m))
     assert paths == [] and "transpose" in refused[0], refused
+
+
+def test_storable_asks_each_operators_rule():
+    """Each operator's sharding rule says whether it keeps the layers as independent rows: a
+    product over the other dimensions does, and a maximum over the layers is the same in any
+    order; a running sum along the layers, or a shift along them, reads them in order."""
+    from autopar.primitives.stack_read import stack_read
+    w, m = jnp.ones((4, 3)), jnp.zeros((4, 3))
+    mix = jnp.arange(9.0).reshape(3, 3)
+
+    def step(reads):
+        def update(state):
+            w, m = state
+            g = stack_read(w, 0) * 2.0
+            return (w - 0.1 * reads(g), m + g)
+        return update
+
+    kept = {"a product over the other dimensions": lambda g: g @ mix,
+            "a maximum over the layers": lambda g: g / (1.0 + jnp.max(g))}
+    for what, reads in kept.items():
+        paths, refused = _stored_paths(step(reads), (w, m))
+        assert paths == ["state/0", "state/1"] and not refused, what
+    in_order = {"cumsum": lambda g: jnp.cumsum(g, axis=0),
+                "pad": lambda g: jax.lax.pad(g, 0.0, ((1, -1, 0), (0, 0, 0)))}
+    for name, reads in in_order.items():
+        paths, refused = _stored_paths(step(reads), (w, m))
+        assert paths == [] and name in refused[0], (name, refused)
