@@ -18,7 +18,7 @@ from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec, Strategy
 from autopar.rules.kinds import FUSED, FUSING_READERS, SCATTER_ADD, SHIFTING
 from autopar.rules.layout import shifts
-from autopar.rules.table import flops_for
+from autopar.rules.work import flops_for
 from autopar.trace.analysis import per_graph
 from autopar.trace.ir import Op, OpGraph, Tensor
 
@@ -72,7 +72,7 @@ def _ways(spec: Spec, mesh: MeshShape) -> int:
 
 
 def op_flops(op: Op, tensors: Sequence[Tensor]) -> float:
-    """Floating-point operations of one execution of the op, unsharded (rules.table.FLOPS)."""
+    """Floating-point operations of one execution of the op, unsharded (rules.work.FLOPS)."""
     return flops_for(op.primitive, [tensors[t].shape for t in op.inputs],
                      [tensors[t].shape for t in op.outputs], op.params)
 

@@ -202,8 +202,10 @@ def _rows_kept(graph: OpGraph, op: Op, ins: list[int], outs: list[int]) -> list[
     if rule is None or len(rule.operands) != len(op.inputs):
         return []
     f = rule.operands[op.inputs.index(ins[0])][0]
-    holders = [t for t, dims in zip(op.inputs, rule.operands) if f in dims]
-    if f is None or any(rule.operands[op.inputs.index(t)][:1] != (f,) for t in holders):
+    if f is None:
+        return []
+    holders = [(t, dims) for t, dims in zip(op.inputs, rule.operands) if f in dims]
+    if any(dims[:1] != (f,) for _, dims in holders):
         return []
     kind = rule.kind(f)
     if kind in (SUMMED, COMBINED):
@@ -211,4 +213,4 @@ def _rows_kept(graph: OpGraph, op: Op, ins: list[int], outs: list[int]) -> list[
     if kind != PASS_THROUGH or not all(rule.results[k][:1] == (f,) for k, t in
                                        enumerate(op.outputs) if t in outs):
         return []
-    return holders
+    return [t for t, _ in holders]

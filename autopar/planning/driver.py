@@ -28,7 +28,7 @@ from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.pricing import Unit
 from autopar.planning.problem import make_units
-from autopar.planning.solve import exactness, solve, with_dual_bound
+from autopar.planning.solve import Solved, exactness, solve, with_dual_bound
 from autopar.primitives.stack_read import reading_stored
 from autopar.rewrite.accumulate import step_of
 from autopar.rules.factors import Spec
@@ -64,7 +64,7 @@ class Planning:
     # (mesh, price, kept-bytes cap) -> the search's answer: recomputing layers changes a
     # plan's cost and memory, not what the search finds at a price, and the budget tries the
     # prices it tried without recompute again with it
-    solved: dict[tuple, Any] = field(default_factory=dict)
+    solved: dict[tuple, Solved] = field(default_factory=dict)
     schedule: Schedule = Schedule()  # how the traced step accumulates and pipelines
     stored: Storage | None = None  # the stack's leaves kept in placement (placement/stored.py)
     lanes: Lanes | None = None  # a Python loop's layers kept stacked (placement/lanes.py)

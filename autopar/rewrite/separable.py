@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Literal
 
 from autopar.errors import AutoparError
 from autopar.rewrite.draws import why_not_drawable
 from autopar.rules.factors import PASS_THROUGH, SUMMED, Rule
-from autopar.rules.kinds import CREATING, LINEAR, RANDOM_DRAWS
+from autopar.rules.kinds import CREATING, LINEAR, RANDOM_DRAWS, WITH_BODIES
 from autopar.rules.table import rule_for
 from autopar.trace.jaxpr import eqn_source, open_jaxpr
 from autopar.trace.tracer import CALL_PRIMITIVES, scan_counts
@@ -225,8 +225,7 @@ def _batch_factor(ef: Any, kinds: list[Kind]) -> tuple[Rule | None, str | None]:
     """The equation's sharding rule, and the factor its per-example operands' batch
     dimensions all are (None: none, or several). An equation with a body (a while loop, a
     conditional) is not judged by its rule, which speaks for its carries, not its body."""
-    if any(isinstance(v, (Jaxpr, ClosedJaxpr)) or isinstance(v, tuple) and any(
-            isinstance(b, (Jaxpr, ClosedJaxpr)) for b in v) for v in ef.params.values()):
+    if ef.primitive.name in WITH_BODIES:
         return None, None
     rule = rule_for(ef.primitive.name, [tuple(v.aval.shape) for v in ef.invars],
                     [tuple(v.aval.shape) for v in ef.outvars], ef.params)

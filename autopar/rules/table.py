@@ -1,5 +1,4 @@
-"""Per-primitive sharding rules, as a table keyed by primitive name with a default, and
-beside them the primitives' floating-point work (FLOPS).
+"""Per-primitive sharding rules, as a table keyed by primitive name with a default.
 
 Each rule function gets the operand and result shapes and the equation's params and returns a
 Rule in factor notation. A primitive with no entry gets `None`: the caller replicates it and
@@ -8,7 +7,6 @@ warns once, naming the primitive and where it was called.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 from autopar.rules.factors import Dims, Rule
@@ -341,33 +339,6 @@ def register(primitive: str, rule: RuleFn) -> None:
         raise ValueError(f"primitive {primitive!r} already has a sharding rule")
     RULES[primitive] = rule
     _MADE.clear()
-
-
-def dot_flops(ins: list[Shape], outs: list[Shape], params: dict) -> float:
-    """2 x result elements x contraction length."""
-    (lc, _), _ = params["dimension_numbers"]
-    return 2.0 * sum(math.prod(s) for s in outs) * math.prod(ins[0][d] for d in lc)
-
-
-def conv_flops(ins: list[Shape], outs: list[Shape], params: dict) -> float:
-    """2 x result elements x input features per group x window taps."""
-    rhs, dn = ins[1], params["dimension_numbers"]
-    window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
-    return 2.0 * sum(math.prod(s) for s in outs) * rhs[dn.rhs_spec[1]] * window
-
-
-# Floating-point operations of one execution, unsharded, where they are not one per element of
-# the largest of the results (together) and each operand (`flops_for`).
-FLOPS: dict[str, Callable[[list[Shape], list[Shape], dict], float]] = {
-    "dot_general": dot_flops, "conv_general_dilated": conv_flops}
-
-
-def flops_for(primitive: str, ins: list[Shape], outs: list[Shape], params: dict) -> float:
-    """Floating-point operations of one execution of the operator, unsharded."""
-    fn = FLOPS.get(primitive)
-    if fn is not None:
-        return fn(ins, outs, params)
-    return float(max([sum(math.prod(s) for s in outs)] + [math.prod(s) for s in ins]))
 
 
 # Rules made, by primitive, shapes and params: a model's layers ask for the same rules again
