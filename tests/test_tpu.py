@@ -259,6 +259,40 @@ def test_the_losss_exp_is_recomputed_in_the_backward_pass_on_tpu_and_kept_on_cpu
     assert set(kept) <= cpu_buffers.value_buffers(graph).materialised
 
 
+def _attention(q, k, v):
+    """Scores of bf16 products, a float32 softmax over the keys (its exp read by the sum and
+    by the division by it), the values weighed by it."""
+    scores = jnp.einsum("bqd,bkd->bqk", q.astype(jnp.bfloat16), k).astype(jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
+    return jnp.einsum("bqk,bkd->bqd", probs, v).astype(jnp.float32)
+
+
+def _attention_step(q, k, v):
+    """_attention trained one step in q: the backward pass reads the exp too."""
+    value, grad = jax.value_and_grad(lambda q: _attention(q, k, v).sum())(q)
+    return q - 0.1 * grad, value
+
+
+@pytest.mark.parametrize("step", [_attention, _attention_step], ids=["forward", "trained"])
+def test_a_softmaxs_exp_is_recomputed_in_each_reader_on_tpu_and_written_on_cpu(v5e, step):
+    """An expensive value every reader of which fuses it (a softmax's exp: its sum, the
+    division by the sum, and where trained the backward pass) is recomputed in each of their
+    fusions by the TPU compiler: its compiled program writes no float32 array of the scores'
+    shape. XLA's CPU compiler writes it once."""
+    shapes = (jax.ShapeDtypeStruct((8, 256, 128), jnp.float32),
+              jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16),
+              jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16))
+    graph = trace(step, shapes)[0]
+    exps = {t for s in graph.program if s.eqn is not None
+            and s.eqn.primitive.name == "exp" for t in s.outputs}
+    assert exps and not exps & tpu_buffers.value_buffers(graph).materialised
+    assert exps <= cpu_buffers.value_buffers(graph).materialised
+    replicated = NamedSharding(v5e, P())
+    text = jax.jit(step, in_shardings=replicated).lower(*shapes).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    assert not re.search(r"= f32\[8,256,256\]", entry), entry[:3000]
+
+
 @pytest.mark.slow
 def test_the_tpu_compiler_converts_a_scanned_stack_whole_before_the_loop(v5e):
     """What the TPU buffer model's hoists_slice_converts stands for: the body's conversion of

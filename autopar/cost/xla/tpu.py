@@ -3,8 +3,7 @@
 `TPU` (a `TpuBuffers`) is the memory estimate's BufferModel "xla-tpu", not calibrated. It is
 XLA's CPU model (cpu.py) but for these rules:
 - `value_buffers(graph)`: a fused chain whose readers all fuse it (dots and convolutions
-  included) gets no buffer, unless it is expensive, read by several readers and not kept for
-  the backward pass;
+  included) gets no buffer: an expensive one (a softmax's exp) is recomputed in each of them;
 - `fused_values(graph)`: the values an ideal fuser keeps out of memory that the TPU compiler
   does too;
 - no operand is transposed into a copy;
@@ -19,7 +18,7 @@ from __future__ import annotations
 from autopar.cost.model import fused_values as fusible_values
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.cost.xla.cpu import CpuBuffers, buffered_values
-from autopar.rules.kinds import CHEAP, FUSED, FUSING_READERS
+from autopar.rules.kinds import FUSED, FUSING_READERS
 from autopar.trace.analysis import per_graph
 from autopar.trace.ir import OpGraph
 
@@ -31,11 +30,7 @@ TPU_FUSING_READERS = FUSING_READERS | {"dot_general", "conv_general_dilated"}
 def value_buffers(graph: OpGraph) -> ValueBuffers:
     """The values the TPU compiler writes to buffers of their own (docs/internals-steps.md)."""
     def written(name: str, kind: str | None, reader_names: list[str]) -> bool:
-        fusing = all(r in TPU_FUSING_READERS for r in reader_names)
-        if name in FUSED and kind == "activations" and fusing:
-            return False  # recomputed in the backward pass's fusions, from what they keep
-        return (name not in FUSED or not fusing
-                or (name not in CHEAP and len(reader_names) > 1))
+        return name not in FUSED or not all(r in TPU_FUSING_READERS for r in reader_names)
     return buffered_values(graph, written)
 
 
