@@ -6,6 +6,7 @@ a memory limit is checked against the TPU compiler's own peak.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -31,6 +32,7 @@ from autopar.trace.analysis import roles  # noqa: E402
 from autopar.trace.ir import Tensor  # noqa: E402
 from autopar.trace.tracer import trace  # noqa: E402
 from benchmarks import tpu_models  # noqa: E402
+from benchmarks.tpu_layers import dot_attention  # noqa: E402
 from models import gpt_abstract  # noqa: E402
 
 
@@ -291,6 +293,50 @@ def test_a_softmaxs_exp_is_recomputed_in_each_reader_on_tpu_and_written_on_cpu(v
     text = jax.jit(step, in_shardings=replicated).lower(*shapes).compile().as_text()
     entry = text[text.index("\nENTRY"):]
     assert not re.search(r"= f32\[8,256,256\]", entry), entry[:3000]
+
+
+def _scanned_attention(batch: int, seq: int, kv_heads: int, group: int):
+    """Two attention layers (tpu_layers.dot_attention: bf16 scores, an f32 causal softmax)
+    in one scan under remat, trained: (step, its arguments' shapes)."""
+    heads, d = kv_heads * group, 128
+
+    def layer(x, w):
+        q = (x @ w[0]).reshape(batch, seq, heads, d)
+        k = (x @ w[1]).reshape(batch, seq, kv_heads, d)
+        v = (x @ w[2]).reshape(batch, seq, kv_heads, d)
+        return x + dot_attention(q, k, v, True).reshape(batch, seq, heads * d) @ w[3], None
+
+    def step(ws, x):
+        grad = jax.grad(lambda ws: jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
+                        .astype(jnp.float32).sum())(ws)
+        return jax.tree.map(lambda w, g: w - g, ws, grad)
+    width = (heads * d, kv_heads * d, kv_heads * d, heads * d)
+    ws = tuple(jax.ShapeDtypeStruct((2, heads * d if n < 3 else w, w if n < 3 else heads * d),
+                                    jnp.bfloat16) for n, w in enumerate(width))
+    return step, (ws, jax.ShapeDtypeStruct((batch, seq, heads * d), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("batch, kv_heads, group, written", [
+    (2, 2, 2, True), pytest.param(2, 2, 4, True, marks=pytest.mark.slow), (2, 4, 1, False), (2, 1, 4, False), (1, 2, 2, False)])
+def test_grouped_query_attentions_scores_are_written_in_float32_on_tpu(
+        tmp_path, batch, kv_heads, group, written):
+    """The TPU compiler writes a scanned attention's masked scores in float32 (the conversion
+    and the mask fused into the dot's output) and their exp, where the scores' batch,
+    key-value heads and group are all longer than 1; else bfloat16 scores alone. The TPU
+    buffer model's body_buffers says the same (grouped_scores)."""
+    step, shapes = _scanned_attention(batch, 256, kv_heads, group)
+    graph = trace(step, shapes)[0]
+    extra, unwritten = tpu_buffers.body_buffers(graph, {}, mesh_shape({"x": 1}))
+    assert len(tpu_buffers.grouped_scores(graph)) == 2  # the forward's, the one recomputed
+    assert (bool(extra), bool(unwritten)) == (written, written)
+    device = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices[0]
+    jax.jit(step, in_shardings=jax.sharding.SingleDeviceSharding(device)).lower(
+        *shapes).compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    values = next(tmp_path.glob("*jit_step*after_optimizations-buffer-assignment.txt"))
+    size = batch * kv_heads * group * 256 * 256
+    scores = [shape for shape in re.findall(r"\): (f32|bf16)(\[[0-9,]+\])", values.read_text())
+              if math.prod(map(int, shape[1][1:-1].split(","))) == size]
+    assert scores and any(dtype == "f32" for dtype, _ in scores) == written, scores
 
 
 @pytest.mark.slow

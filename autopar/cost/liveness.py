@@ -296,7 +296,8 @@ class _Walk:
         loops' results inside a microbatch loop"). Stacks the compiler converts whole before
         their loops (loop_bodies.converted_stacks) live from the start of the step."""
         graph, out = self.graph, []
-        fused = self.model.fused_values(graph)
+        written, unwritten = self.model.body_buffers(graph, self.specs, self.mesh)
+        fused = self.model.fused_values(graph) - written | unwritten
         if self.model.hoists_slice_converts:
             stacks, replaced = converted_stacks(
                 graph, self.size, lambda x: self.producer_step.get(x, -1) in self.early | {-1})

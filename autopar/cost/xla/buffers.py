@@ -41,6 +41,12 @@ class BufferModel(Protocol):
         """The values never written to memory, fused into their readers: the compute estimate
         charges no bytes for them (autopar.cost.facts)."""
 
+    def body_buffers(self, graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
+                     ) -> tuple[frozenset[int], frozenset[int]]:
+        """With tensors sharded as `specs`: the loop bodies' values written that fused_values
+        holds fused, and those fused_values holds written that are not (a dot's result the
+        compiler writes only as its output fusion's)."""
+
     def fuses(self, primitive: str) -> bool:
         """Whether a loop fusion can read a value computed by `primitive`'s step."""
 

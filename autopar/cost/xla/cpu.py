@@ -345,6 +345,11 @@ class CpuBuffers:
     placed_in_donated = staticmethod(placed_in_donated)
 
     @staticmethod
+    def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
+                     ) -> tuple[frozenset[int], frozenset[int]]:
+        return frozenset(), frozenset()
+
+    @staticmethod
     def fuses(primitive: str) -> bool:
         return primitive in FUSED
 

@@ -41,6 +41,11 @@ class ConservativeBuffers:
     transposed_operands = staticmethod(transposed_operands)
 
     @staticmethod
+    def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
+                     ) -> tuple[frozenset[int], frozenset[int]]:
+        return frozenset(), frozenset()
+
+    @staticmethod
     def fuses(primitive: str) -> bool:
         return False
 
