@@ -4,11 +4,12 @@
 to run under `memory_limit`, starting from the budgeted search's plan (`planned`). That plan
 is compiled where its estimate is within the estimate's error of the limit (CHECK_BAND; on a
 platform whose buffer model is not calibrated, UNCALIBRATED_BAND, or wherever the budget
-binds), and XLA's figure decides. A compiled plan returned fits the limit by that figure
-(`memory["compiled_bytes"]`, `search_stats.compile_checks`). Where the budget bound, a faster
-plan that XLA fits may be returned instead. It raises AutoparError where the plan still
-compiles over the limit after COMPILE_CHECKS plans for smaller estimates, or where planning
-for a smaller estimate fails.
+binds), and XLA's figure decides; over the limit, the plan for a smaller estimate, or the
+next fastest plan within the last estimate, is compiled. A compiled plan returned fits the
+limit by that figure (`memory["compiled_bytes"]`, `search_stats.compile_checks`). Where the
+budget bound, a faster plan that XLA fits may be returned instead. It raises AutoparError
+where the plan still compiles over the limit after COMPILE_CHECKS plans for smaller
+estimates, or where planning for a smaller estimate and the next fastest plan both fail.
 
 Design and rationale: docs/internals-planning.md, "autopar/fitting.py".
 """
@@ -56,8 +57,9 @@ class _Again:
     mesh: MeshShape | int
     weighed: dict[str, Any]
 
-    def plan(self, limit: int | None) -> tuple[Decisions, Plan]:
-        planned = self.planning.plan(self.mesh, limit).noting(**self.weighed)
+    def plan(self, limit: int | None, excluded: tuple[Decisions, ...] = ()
+             ) -> tuple[Decisions, Plan]:
+        planned = self.planning.plan(self.mesh, limit, excluded=excluded).noting(**self.weighed)
         return planned.decisions, planned.plan
 
 
@@ -94,21 +96,28 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
     if (p.cost.peak_memory_bytes < band * memory_limit
             and (planning.buffers.calibrated or not budgeted)):
         return build(decisions, p)
-    limit, compiled = memory_limit, 0
+    limit, compiled, over, aimed = memory_limit, 0, [], memory_limit
     for check in range(COMPILE_CHECKS + 1):
         if check:
             try:
                 decisions, p = again.plan(limit)
+                aimed = limit
             except AutoparError as e:
-                raise AutoparError(
-                    f"the plan estimated to fit memory_limit={mib(memory_limit)} compiled "
-                    f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} failed: "
-                    f"{e}") from e
+                # The estimate errs by plan: the next fastest plan at the last estimate that
+                # found one, the plans compiled over left out, may fit where none is leaner.
+                try:
+                    decisions, p = again.plan(aimed, excluded=tuple(over))
+                except AutoparError:
+                    raise AutoparError(
+                        f"the plan estimated to fit memory_limit={mib(memory_limit)} compiled "
+                        f"to {mib(compiled)}, and planning for an estimate of {mib(limit)} "
+                        f"failed: {e}") from e
         made = build(decisions, p)
         compiled = _compiled(compiled_of, made)[1]
         p = _with_compiled(p, compiled, check + 1)
         if compiled <= memory_limit:
             return dataclasses.replace(made, make_plan=lambda: p)
+        over.append(dataclasses.replace(decisions, pinned_inside=True))
         if check == COMPILE_CHECKS:
             raise AutoparError(
                 f"the plan estimated at {mib(p.cost.peak_memory_bytes)} per device "

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from autopar import fitting
+from autopar.errors import AutoparError
 from autopar.plan_stats import Cost, SearchStats
 from autopar.planning.driver import Planned
 
@@ -47,11 +48,14 @@ class Planner:
         self.asked: list = []
         self.proven: list = []  # whether each search proved its answer
 
-    def plan(self, shape, limit):
+    def plan(self, shape, limit, excluded=()):
         self.asked.append(limit)
         self.proven.append(self.prove)
-        _, name = min((t, n) for n, (mib, t) in PLANS.items()
-                      if limit is None or mib * MiB <= limit)
+        within = [(t, n) for n, (mib, t) in PLANS.items()
+                  if (limit is None or mib * MiB <= limit) and FakeDecisions(n) not in excluded]
+        if not within:
+            raise AutoparError(f"no plan fits memory_limit={limit}")
+        _, name = min(within)
         mib, t = PLANS[name]
         stats = {} if limit is None else {"memory_price_s_per_byte": 1e-12}
         return Planned(self, FakeDecisions(name),
@@ -156,6 +160,20 @@ def test_an_estimate_far_over_is_compiled_where_the_budget_costs_much(monkeypatc
     monkeypatch.setitem(PLANS, "lean", (477, 1.2))
     made, _ = run({"free": 570, "mid": 560, "lean": 452})
     assert made.decisions.name == "lean"
+
+
+def test_the_next_fastest_plan_is_tried_where_none_is_leaner(monkeypatch):
+    """The fastest plan within the limit is the leanest by its estimate and compiles over it;
+    none is estimated within the limit scaled by its error. The next fastest within the limit,
+    estimated larger, compiles within it (the estimate errs by plan): that one runs."""
+    monkeypatch.setitem(globals(), "PLANS", {"free": (649, 1.42), "a": (560, 1.50),
+                                             "b": (570, 1.55)})
+    made, planner = run({"free": 700, "a": 590, "b": 550})
+    assert made.decisions.name == "b"
+    assert made.make_plan().memory["compiled_bytes"] == 550 * MiB
+    assert planner.asked[-2:] == [int(LIMIT * 560 / 590), LIMIT]
+    with pytest.raises(AutoparError, match="planning for an estimate"):
+        run({"free": 700, "a": 590, "b": 580})
 
 
 def test_a_program_the_compiler_refuses_for_memory_counts_as_over_the_limit():

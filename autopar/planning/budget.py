@@ -46,12 +46,15 @@ Attempt = Callable[[float, frozenset, "float | None"], Candidate]
 
 
 def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | None,
-                buffers: BufferModel, prove: bool = False) -> Candidate:
+                buffers: BufferModel, prove: bool = False,
+                excluded: tuple[Decisions, ...] = ()) -> Candidate:
     """The fastest candidate `attempt` finds that fits `limit` bytes per device (see module
     doc), estimated as `buffers` (the compiler's buffer model) says. `prove`: `attempt` takes
-    a cap on kept bytes (dynamic_programming), and the price search's answer is proven."""
+    a cap on kept bytes (dynamic_programming), and the price search's answer is proven.
+    `excluded`: plans not to return (compiled over the limit): the fastest other candidate the
+    search found within the limit instead."""
     free = attempt(0.0, frozenset(), None)
-    if limit is None or free.peak_bytes <= limit:
+    if limit is None or free.peak_bytes <= limit and free.decisions not in excluded:
         return free
     tried = [(0.0, free)]
     start = free.tally.total_s / max(free.peak_bytes, 1)
@@ -96,6 +99,9 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
         if outcome == "stalled":
             bound = min((c.tally.total_s for _, c in found), default=math.inf)
             found += [settled(plain)] if plain.rise(faster_than=bound) == "fits" else []
+    if excluded:
+        found = [(p, c) for p, c in found + tried
+                 if c.peak_bytes <= limit and c.decisions not in excluded]
     if not found:
         raise nothing_fits(_leanest(tried)[1], limit, graph, mesh)
     price, c = min(found, key=lambda pc: pc[1].tally.total_s)

@@ -119,12 +119,12 @@ class Planning:
                    plan_out_tree=plan_out_tree)
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None,
-             bound: bool = True) -> Planned:
+             bound: bool = True, excluded: tuple[Decisions, ...] = ()) -> Planned:
         """Pin, search and assemble on `mesh`. A device count tries every mesh shape of that
         many devices (`candidate_meshes`) on which the annotations apply, and keeps the plan of
         least estimated cost. With `memory_limit` (bytes per device), only plans that fit it
-        (`budget`). `bound` False leaves the plan's dual bound to `bounded`: the search of
-        schedules bounds only the plan it keeps."""
+        (`budget`), none of `excluded`. `bound` False leaves the plan's dual bound to
+        `bounded`: the search of schedules bounds only the plan it keeps."""
         shapes = candidate_meshes(mesh) if isinstance(mesh, int) else [mesh]
         prove = self.prove and self.search == "dynamic_programming"
         best = None
@@ -141,7 +141,7 @@ class Planning:
             try:
                 chosen = plan_within(
                     functools.partial(self._attempt, shape, pinned), self.graph, shape,
-                    memory_limit, self.buffers, prove)
+                    memory_limit, self.buffers, prove, excluded)
             except AutoparError as e:  # nothing fits this mesh: the error to report
                 fit_error = fit_error or e
                 continue
