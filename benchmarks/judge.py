@@ -16,7 +16,8 @@ no code with the planner, so it grades the planner fairly.  Choices and sources:
   `as_text()`, in loop bodies (times trips, nested loops multiplied), fusions and async
   forms.  The TPU compiler wraps async collectives in fusions (AsyncCollectiveStart,
   continuations, AsyncCollectiveDone) repeating the op under one `channel_id`, and emits
-  `collective-permute-start`/`-done`: one collective per channel id, `*-done` skipped.  Its
+  `collective-permute-start`/`-done`: one collective per channel id, size and group, `*-done`
+  skipped (the TPU compiler gives id 1 to several different collectives).  Its
   reduce-scatter is an `all-reduce-scatter` fusion, an all-reduce feeding a dynamic-slice
   in the same computation: priced as one (a slice in a later fusion, seen on v5p, leaves
   the all-reduce it is).
@@ -486,9 +487,14 @@ def _size(inst: _Inst, comp: _Comp) -> float:
 
 def _collectives(comps: dict[str, _Comp], mult: dict[str, int], mesh: jax.sharding.Mesh,
                  chip: Chip) -> tuple[Collective, ...]:
-    """Every collective once (one per channel id), priced with nccl-tests' busbw."""
+    """Every collective once, priced with nccl-tests' busbw. The async forms repeat a
+    collective under one channel id, in computations of their own; the TPU compiler also
+    gives one id (1) to different collectives (a shard_map's psum and psum_scatters), in one
+    computation or several. So a collective is its channel id, size and groups, and the
+    k-th of those in a computation is the k-th in another."""
     found: dict = {}
     for comp in (c for c in comps.values() if mult.get(c.name)):
+        nth: dict = {}
         for inst in (i for i in comp.insts.values() if i.op in _COLLECTIVES):
             kind = _COLLECTIVES[inst.op]
             groups = _groups(inst.attrs, mesh.devices.size)
@@ -497,9 +503,12 @@ def _collectives(comps: dict[str, _Comp], mult: dict[str, int], mesh: jax.shardi
                     inst.name] for u in comp.insts.values()):
                 kind = "reduce-scatter"           # the TPU's fused all-reduce + slice
             channel = re.search(r"channel_id=(\d+)", inst.attrs)
-            key = channel.group(1) if channel else (comp.name, inst.name)
+            size = int(_size(inst, comp))
+            same = ((channel.group(1) if channel else (comp.name, inst.name)), size, str(groups))
+            nth[same] = nth.get(same, -1) + 1
+            key = (*same, nth[same])
             runs = max(mult[comp.name], found.get(key, (0,))[0])
-            found[key] = (runs, kind, int(_size(inst, comp)), _axes(groups, mesh), n)
+            found[key] = (runs, kind, size, _axes(groups, mesh), n)
     out = []
     for runs, kind, size, axes, n in found.values():
         once = 0.0
