@@ -324,7 +324,7 @@ def test_grouped_query_attentions_scores_are_written_in_float32_on_tpu(
     and the mask fused into the dot's output) and their exp, where the scores' batch,
     key-value heads and group are all longer than 1; else bfloat16 scores alone. The TPU
     buffer model's body_buffers says the same (grouped_scores)."""
-    step, shapes = _scanned_attention(batch, 256, kv_heads, group)
+    step, shapes = _scanned_attention(batch, 128, kv_heads, group)
     graph = trace(step, shapes)[0]
     extra, unwritten = tpu_buffers.body_buffers(graph, {}, mesh_shape({"x": 1}))
     assert len(tpu_buffers.grouped_scores(graph)) == 2  # the forward's, the one recomputed
@@ -333,7 +333,7 @@ def test_grouped_query_attentions_scores_are_written_in_float32_on_tpu(
     jax.jit(step, in_shardings=jax.sharding.SingleDeviceSharding(device)).lower(
         *shapes).compile(compiler_options={"xla_dump_to": str(tmp_path)})
     values = next(tmp_path.glob("*jit_step*after_optimizations-buffer-assignment.txt"))
-    size = batch * kv_heads * group * 256 * 256
+    size = batch * kv_heads * group * 128 * 128
     scores = [shape for shape in re.findall(r"\): (f32|bf16)(\[[0-9,]+\])", values.read_text())
               if math.prod(map(int, shape[1][1:-1].split(","))) == size]
     assert scores and any(dtype == "f32" for dtype, _ in scores) == written, scores
