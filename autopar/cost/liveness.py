@@ -304,16 +304,13 @@ class _Walk:
             out = [Buffer(self.begin, max(self.when[i] for i in loops), "temporaries", nbytes,
                           x, "converted") for x, nbytes, loops in stacks]
             fused |= replaced
+        def resharded(t: int, spec: Spec) -> tuple[int, int]:
+            return self.model.reshard_buffers(graph.tensors[t], self.specs.get(t), spec, self.mesh)
         for i, ids in graph.loop_ops.items():
-            if self.model.reuses_in_loops:
-                held = body_collectives(graph, ids, *self.in_loops, self.size, lambda t, spec:
-                                        self.model.reshard_buffers(graph.tensors[t],
-                                                                   self.specs.get(t), spec,
-                                                                   self.mesh))
-                nbytes = body_peak(graph, ids, fused, self.size, held,
-                                   self.model.defers_weight_gradients)
-            else:
-                nbytes = body_sum(graph, ids, fused, self.size)
+            nbytes = (body_peak(graph, ids, fused, self.size,
+                                body_collectives(graph, ids, *self.in_loops, self.size, resharded),
+                                self.model.defers_weight_gradients)
+                      if self.model.reuses_in_loops else body_sum(graph, ids, fused, self.size))
             if nbytes:
                 out.append(Buffer(self.when[i], self.when[i], "activations", nbytes,
                                   graph.program[i].outputs[0], "loop"))
