@@ -66,10 +66,10 @@ def grouped_scores(graph: OpGraph) -> tuple[GroupedScores, ...]:
     (grouped-query attention: batch and key-value heads, the queries' group, queries and
     keys), the TPU compiler fuses the chain into the dot's output, writes its end (float32
     after a conversion) and not the dot's result, and writes the softmax's exp too. Measured
-    with libtpu 0.0.42.1, a scanned attention layer under remat on one v5p chip: batch 4 and
-    2, 4 or 8 key-value heads with groups of 2 to 8 write float32 scores; 16 heads with no
-    group, one head with groups of 4 or 16, and a batch of 1 write bfloat16 scores alone
-    (tests/test_tpu.py; docs/decisions.md, "Grouped-query attention's scores on TPU")."""
+    with libtpu 0.0.42.1, a scanned attention layer under remat on one v5p chip: batches of 2
+    or 4 with 2 to 8 key-value heads in groups of 2 to 8 write float32 scores; 4 or 16 heads
+    with no group, one head with groups of 4 or 16, and a batch of 1 write bfloat16 scores
+    alone (tests/test_tpu.py; docs/decisions.md, "Grouped-query attention's scores on TPU")."""
     ops = graph.ops
     made_by: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
