@@ -19,6 +19,9 @@ from .costgraph import CostGraph, InfeasibleError, Solution
 from .width import EliminationOrder, neighbours
 
 Factor = tuple[tuple[int, ...], np.ndarray]
+# Variables a joint table may span, whatever its entries: numpy's arrays take at most 64
+# dimensions, and variables of one strategy (pinned shardings) add dimensions, not entries.
+MAX_SCOPE = 32
 
 
 def _table(scope: tuple[int, ...], factors: list[Factor], size: dict[int, int]) -> np.ndarray:
@@ -41,7 +44,7 @@ def _partition(x: int, factors: list[Factor], size: dict[int, int],
     for f in sorted(factors, key=lambda f: -f[1].size):
         for scope, members in groups:
             joint = scope | set(f[0])
-            if math.prod(size[w] for w in joint) <= limit:
+            if len(joint) <= MAX_SCOPE and math.prod(size[w] for w in joint) <= limit:
                 scope |= set(f[0])
                 members.append(f)
                 break
