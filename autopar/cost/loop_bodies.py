@@ -37,14 +37,20 @@ def body_peak(graph: OpGraph, ids: tuple[int, ...], fused: frozenset[int],
               deferred: bool = False) -> int:
     """The most the body holds at once, each value live from its op to its last reader in the
     body, with the `extra` buffers that the body's collectives make. `deferred`: the
-    weight gradients' dots run at the end of the body (see weight_gradients)."""
+    weight gradients' dots run at the end of the body (see weight_gradients). A `fused`
+    value is computed again inside each of its readers, so what it is made from lives until
+    its last reader runs (as the program's walk follows fused readers, liveness._last_read):
+    a softmax's backward fused into the two dots that read it holds the probabilities and
+    their gradient until the second dot."""
     at = list(range(len(ids)))  # when each op runs
     for n in weight_gradients(graph, ids) if deferred else ():
         at[n] = len(ids) - 1
     last: dict[int, int] = {}
-    for n, k in enumerate(ids):
-        for t in graph.ops[k].inputs:
-            last[t] = max(last.get(t, 0), at[n])
+    for n in range(len(ids) - 1, -1, -1):  # readers before the ops whose results they read
+        op = graph.ops[ids[n]]
+        end = max([at[n]] + [last[o] for o in op.outputs if o in fused and o in last])
+        for t in op.inputs:
+            last[t] = max(last.get(t, 0), end)
     delta = [0] * (len(ids) + 1)
     for n, ts in _values(graph, ids, fused):
         for t in ts:

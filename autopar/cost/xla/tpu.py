@@ -10,7 +10,8 @@ XLA's CPU model (cpu.py) but for these rules:
   written in float32, and their exp, where two of their batch dimensions and three others
   are longer than 1 on the device (see grouped_scores);
 - no operand is transposed into a copy;
-- loop bodies reuse buffers, run the weight gradients' dots last, and convert a stacked input
+- loop bodies reuse buffers (a fused value's operands live until its last reader:
+  loop_bodies.body_peak), run the weight gradients' dots last, and convert a stacked input
   once, whole, at the start of the step.
 Nothing here raises.
 
