@@ -70,10 +70,14 @@ Build = Callable[[Decisions, Plan], Any]  # a Make of the planning under way
 Compiled = Callable[[Any], Any]  # signature -> its XLA executable (jax Compiled)
 
 
-def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compiled) -> Any:
+def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compiled,
+           aim: int | None = None) -> Any:
     """The signature of the plan to run under `memory_limit`, starting from the budgeted
     search's (`planned`), compiled where the estimate's error could decide. A plan searched
-    again here keeps what `planned` says of the schedules and microbatch counts weighed."""
+    again here keeps what `planned` says of the schedules and microbatch counts weighed.
+    `aim`: the estimate `planned` was searched within, where not `memory_limit` (above it,
+    where nothing was estimated within the limit: plan_call)."""
+    aim = aim or memory_limit
     planning, decisions, p = planned.planning, planned.decisions, planned.plan
     again = _Again(planning, planned.mesh, p.search_stats.schedules_weighed())
     build = functools.partial(make, planning)  # the step to run of this planning's plans
@@ -85,7 +89,7 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
         if not planning.prove and planning.search == "dynamic_programming":
             # the budget's answer is kept: now worth proving (stepper.py put it off)
             planning.prove, again.mesh = True, mesh_shape(dict(p.mesh))
-            decisions, p = again.plan(memory_limit)
+            decisions, p = again.plan(aim)
         if scale > 1:
             scaled = _scaled(again, memory_limit, scale, p, build, compiled_of)
             if scaled is not None:
@@ -96,7 +100,7 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
     if (p.cost.peak_memory_bytes < band * memory_limit
             and (planning.buffers.calibrated or not budgeted)):
         return build(decisions, p)
-    limit, compiled, over, aimed = memory_limit, 0, [], memory_limit
+    limit, compiled, over, aimed = aim, 0, [], aim
     for check in range(COMPILE_CHECKS + 1):
         if check:
             try:
