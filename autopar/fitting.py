@@ -118,7 +118,7 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
                         f"failed: {e}") from e
         made = build(decisions, p)
         compiled = _compiled(compiled_of, made)[1]
-        p = _with_compiled(p, compiled, check + 1)
+        p = _with_compiled(p, compiled, check + 1, memory_limit)
         if compiled <= memory_limit:
             return dataclasses.replace(made, make_plan=lambda: p)
         over.append(dataclasses.replace(decisions, pinned_inside=True))
@@ -133,10 +133,13 @@ def fitted(planned: Planned, memory_limit: int, make: Make, compiled_of: Compile
     raise AssertionError("unreachable")
 
 
-def _with_compiled(p: Plan, compiled: int, checks: int) -> Plan:
-    return dataclasses.replace(p, memory={**p.memory, "compiled_bytes": compiled},
-                               search_stats=dataclasses.replace(p.search_stats,
-                                                                compile_checks=checks))
+def _with_compiled(p: Plan, compiled: int, checks: int, memory_limit: int) -> Plan:
+    """`p` with XLA's figure and the limit asked (a plan searched again within a smaller or
+    larger estimate reports the limit it runs under, not the one it was searched within)."""
+    return dataclasses.replace(
+        p, memory={**p.memory, "compiled_bytes": compiled, "limit_bytes": memory_limit},
+        search_stats=dataclasses.replace(p.search_stats, compile_checks=checks,
+                                         memory_limit_bytes=memory_limit))
 
 
 def _unbudgeted(again: _Again, memory_limit: int, make: Build, compiled_of: Compiled,
@@ -168,11 +171,10 @@ def _kept(made: Any, p: Plan, compiled: int, memory_limit: int, checks: int,
           pinned_inside: bool = True) -> Any:
     """`made`, its Plan with XLA's memory figure and the limit; not `pinned_inside`: lowered
     with its inputs' and outputs' shardings alone (said in its statistics)."""
-    p = _with_compiled(p, compiled, checks)
-    stats = (p.search_stats if pinned_inside else
-             dataclasses.replace(p.search_stats, pinned_inside=False))
-    p = dataclasses.replace(p, memory={**p.memory, "limit_bytes": memory_limit},
-                            search_stats=stats)
+    p = _with_compiled(p, compiled, checks, memory_limit)
+    if not pinned_inside:
+        p = dataclasses.replace(p, search_stats=dataclasses.replace(p.search_stats,
+                                                                    pinned_inside=False))
     return dataclasses.replace(made, make_plan=lambda: p)
 
 

@@ -394,6 +394,7 @@ def test_a_limit_the_estimate_reads_just_over_is_checked_by_the_compiler(monkeyp
     mesh = Mesh(np.array([device]), ("data",))
     plan = autopar.auto_parallel(step, mesh=mesh, memory_limit="170MiB").plan(*shapes)
     assert plan.cost.peak_memory_bytes > 170 * 2**20 >= plan.memory["compiled_bytes"]
+    assert plan.memory["limit_bytes"] == plan.search_stats.memory_limit_bytes == 170 * 2**20
     assert plan.search_stats.compile_checks >= 1
     monkeypatch.setattr(plan_call, "UNCALIBRATED_ERROR", 1.0)
     with pytest.raises(autopar.MemoryLimitError, match="no plan fits memory_limit=170"):
