@@ -48,6 +48,28 @@ def test_prices_below_the_first_are_tried_where_it_does_not_fit():
     assert [p for p in asked if 0 < p < start] == [start / 8, start / 64, start / 512]
 
 
+def test_where_no_rising_price_fits_prices_below_the_first_are_tried(monkeypatch):
+    """The mixture of experts on 8 x 8 v5p chips within 2.91 GiB, as estimated at 4856f3c:
+    from the first price up every plan peaks at 3.38 GB and recomputing layers finds none
+    (here: none to recompute); at a sixty-fourth of the first price one peaks at 2.82 GB and
+    is faster. Tried last, before nothing fits is said."""
+    monkeypatch.setattr(budget, "_layers_to_recompute", lambda *args: frozenset())
+    start = 74.3e-3 / (5.58 * GB)
+    asked = []
+
+    def attempt(price: float, recompute: frozenset, cap) -> Candidate:
+        asked.append(price)
+        if price == 0:
+            return candidate(74.3, 5.58)
+        if start / 100 < price < start / 10:
+            return candidate(76.7, 2.82)
+        return candidate(88.6, 3.38) if price >= start else candidate(85.4, 3.52)
+    chosen = budget.plan_within(attempt, None, None, int(2.98 * GB), None)
+    assert chosen.decisions == (76.7, 2.82)
+    below = [p for p in asked if 0 < p < start * (1 - 1e-9)]
+    assert below == pytest.approx([start / 8, start / 64, start / 512], rel=1e-12)
+
+
 def test_where_prices_stall_layers_are_recomputed_before_the_plan_slows_down(monkeypatch):
     """A deep model's activations: rising prices buy no memory past the first (the peak
     stays over the limit) and only a price 8**6 higher fits, at three times the time. The
