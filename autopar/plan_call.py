@@ -16,7 +16,7 @@ from autopar.planning.schedules import weigh_schedules
 
 # How far over the limit the searches may go, where nothing is estimated within it, when
 # the buffer model is not calibrated and XLA checks the plan: the TPU model's estimates read
-# 0.92 to 1.08 of the compiler's peak on the TPU suite's programs (docs/memory.md).
+# 0.94 to 1.12 of the compiler's peak on the TPU suite's programs (docs/memory.md).
 UNCALIBRATED_ERROR = 1.1
 
 
