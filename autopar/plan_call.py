@@ -64,9 +64,18 @@ def plan_call(call: Call, mesh: MeshShape | int, request: Request,
        within UNCALIBRATED_ERROR times the limit, and XLA's figure decides.
     Without `check`, the Planned; with it, the step to run that `check.make` made. Each
     stage's seconds are added to the `progress.timing` under way."""
-    traced = tracer(call, request.batch_argnums, request.hw, request.search,
-                    request.annotations, request.platform, request.keep_placement,
-                    prove=check is None)  # auto_parallel proves a plan once it is kept
+    tracing = tracer(call, request.batch_argnums, request.hw, request.search,
+                     request.annotations, request.platform, request.keep_placement,
+                     prove=check is None)  # auto_parallel proves a plan once it is kept
+    latest: dict = {}  # the last schedule's Planning: searched again within a larger limit,
+    # its price rounds are remembered (Planning.attempts). One only: a search of schedules
+    # would otherwise hold every schedule's problems at once.
+
+    def traced(schedule: Any) -> Any:
+        if schedule not in latest:
+            latest.clear()
+            latest[schedule] = tracing(schedule)
+        return latest[schedule]
     limit = request.memory_limit
     try:
         kept = _weighed(call, mesh, request, traced, limit)
@@ -81,6 +90,7 @@ def plan_call(call: Call, mesh: MeshShape | int, request: Request,
             kept = _weighed(call, mesh, request, traced, limit)
         except MemoryLimitError:
             raise refused from None
+    latest.clear()
     kept = kept.planning.bounded(kept)
     if check is None:
         return kept

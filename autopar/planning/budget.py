@@ -104,8 +104,8 @@ def plan_within(attempt: Attempt, graph: OpGraph, mesh: MeshShape, limit: int | 
         # is searched after a rise (_Prices.settle), one can peak lower than any the rising
         # prices found (the Mixtral-width MoE on 8 x 8 v5p chips: 3,378 MiB at every price
         # from 9.9e-11 up, 2,824 MiB at 1.9e-13). Tried last, where nothing else fits.
-        found = [(price, c) for price in (start / 8.0 ** j for j in range(1, DESCENTS + 1))
-                 for c in [plain.trial(price)] if c.peak_bytes <= limit]
+        found = [(price, c) for price in plain.below() for c in [plain.trial(price)]
+                 if c.peak_bytes <= limit]
     if excluded:
         found = [(p, c) for p, c in found + tried
                  if c.peak_bytes <= limit and c.decisions not in excluded]
@@ -157,13 +157,18 @@ class _Prices:
                 return "stalled"
         return "exhausted"
 
+    def below(self) -> list[float]:
+        """The prices below `start` tried where the peak may fall with the price: DESCENTS of
+        them, 8x apart."""
+        return [self.start / 8.0 ** j for j in range(1, DESCENTS + 1)]
+
     def settle(self) -> tuple[float, Candidate]:
         """After a rise that fits: where the branch's first price did not (and `descend`), try
         the prices below `start`, else lower prices below the one that fits
         (docs/internals-planning.md); the fastest that fits."""
         hi, above = self.fits[-1]
-        for j in range(1, DESCENTS + 1 if self.k > 1 and self.descend else 1):
-            c = self.trial(self.start / 8.0 ** j)
+        for price in self.below() if self.k > 1 and self.descend else ():
+            c = self.trial(price)
             if c.peak_bytes > self.limit and len(self.fits) > 1:
                 break  # past the lowest price that fits
         # Between the last price over the limit and the first within it, unless a lower price
