@@ -25,14 +25,30 @@ def young_objects_only() -> Iterator[None]:
     already (a server freezing its heap before forking, or an enclosing block), nothing is
     changed: unfreezing on exit would undo that freeze too.
     """
+    global _owned
     if not gc.isenabled() or gc.get_freeze_count():
         yield
         return
     gc.freeze()
+    _owned = True
     try:
         yield
     finally:
+        _owned = False
         gc.unfreeze()
+
+
+_owned = False  # within young_objects_only, which froze the heap and unfreezes it on exit
+
+
+def settle() -> None:
+    """Within young_objects_only: the objects alive now (what a stage made for the stages
+    after it) are set aside from collections, as those alive on entry are, until the block
+    ends. Outside it, nothing: only that block's exit gives them back to the collector.
+    Objects set aside are still freed when no longer referenced; only cycles among them wait
+    for the block's end."""
+    if _owned and gc.isenabled():
+        gc.freeze()
 
 
 @contextlib.contextmanager

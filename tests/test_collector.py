@@ -2,7 +2,7 @@
 import gc
 import weakref
 
-from autopar.collector import young_objects_only
+from autopar.collector import settle, young_objects_only
 
 
 class _Cycle:
@@ -47,3 +47,39 @@ def test_collector_disabled_stays_disabled() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_stages_objects_are_settled_within_the_block_and_returned_after_it() -> None:
+    gc.unfreeze()
+    with young_objects_only():
+        kept = _Cycle()  # what a stage makes for the stages after it
+        kept_ref = weakref.ref(kept)
+        before = gc.get_freeze_count()
+        settle()
+        assert gc.get_freeze_count() > before
+        del kept
+        gc.collect()
+        assert kept_ref() is not None  # set aside: not scanned again within the block
+        later = _Cycle()
+        later_ref = weakref.ref(later)
+        del later
+        gc.collect()
+        assert later_ref() is None  # what is made after it is collected as before
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert kept_ref() is None
+
+
+def test_settle_outside_the_block_sets_nothing_aside() -> None:
+    gc.unfreeze()
+    settle()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # someone else's freeze: the block leaves it, and settles nothing of its own
+    try:
+        frozen = gc.get_freeze_count()
+        with young_objects_only():
+            _Cycle()
+            settle()
+            assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -130,14 +130,14 @@ class _Walk:
     def size(self, t: int) -> int:
         """The bytes of `t` on one device (shard_bytes; asked for every buffer of a walk, so
         each spec's count of shards is worked out once)."""
-        tensor = self.graph.tensors[t]
-        if tensor.const:
+        nbytes = _whole_bytes(self.graph)[t]
+        if not nbytes:
             return 0
         spec = self.specs.get(t)
         ways = 1 if spec is None else self.ways.get(spec)
         if ways is None:
             ways = self.ways[spec] = group_size(self.mesh, [a for axes in spec for a in axes])
-        return int(tensor.nbytes / ways)
+        return int(nbytes / ways)
 
     def last_read(self, steps: Iterable[int], default: int) -> int:
         return _last_read(self.graph.program, self.materialised, self.last, steps, default,
@@ -160,10 +160,14 @@ class _Walk:
         pass is two buffers: the forward pass's, and its recomputation's."""
         when, last, layer_at, needed = self.when, self.last, self.layer_at, self.needed
         whole_until = self._whole_until()
+        producer_step, kinds, size = self.producer_step, self.kind, self.size
         out = []
         for t in self.materialised - set(self.graph.outputs):
-            made = self.producer_step[t]
-            start, kind = when[made], self.kind.get(t, "temporaries")
+            made = producer_step[t]
+            start, kind = when[made], kinds.get(t, "temporaries")
+            if not layer_at:  # nothing recomputed: each value lives to its last read
+                out.append(Buffer(start, whole_until.get(t, last[t]), kind, size(t), t))
+                continue
             own = layer_at.get(made)
             read_again = max([needed.get(layer_at[r], 0) for r in self.readers.get(t, ())
                               if r in layer_at and layer_at[r] != own], default=0
@@ -365,6 +369,12 @@ class _Walk:
                               tuple((buffer_name(graph, self.producer_step, b), b.nbytes)
                                     for b in held[:5]),
                               timeline_of(series))
+
+
+@per_graph  # read for every buffer of every estimate
+def _whole_bytes(graph: OpGraph) -> list[int]:
+    """Per tensor id, its bytes unsharded; 0 for a constant (folded into the program)."""
+    return [0 if t.const else t.nbytes for t in graph.tensors]
 
 
 @per_graph  # read by every estimate

@@ -25,7 +25,7 @@ from autopar.mesh import MeshShape
 from autopar.planning.pricing import Unit
 from autopar.planning.problem import (Extension, Problem, build_problem, kept_problem,
                                       make_units)
-from autopar.rules.factors import Spec
+from autopar.rules import Spec, Strategy
 from autopar.trace.ir import OpGraph
 
 
@@ -61,19 +61,24 @@ def rounds_within(problem: Problem, mesh: MeshShape) -> search.Solution:
     left with no such strategy (a pinned one: its single strategy uses every axis) keeps all of
     its strategies."""
     graph = problem.graph
-    placed = [[frozenset((f, a) for f, axes in s.assignment for a in axes)
-               for s in problem.choices[r]] for r in problem.roots]
+    placed = _placed(problem)
     decided = [frozenset()] * len(placed)
     done: set[str] = set()
     choice = [0] * len(placed)
     for axis in axis_order(mesh) or list(mesh.names[:1]):
         done.add(axis)
+        # Nodes share strategy lists (a repeated layer's, every memory price's problem): a
+        # list's mask for what the rounds before decided is worked out once.
+        masks = problem.derived.setdefault(("round", axis, frozenset(done)), {})
         keep = []
-        for node, options in enumerate(placed):
-            mask = np.array([all(a in done for _, a in p) and
-                             frozenset(x for x in p if x[1] != axis) == decided[node]
-                             for p in options])
-            keep.append(mask if mask.any() else np.ones(len(options), dtype=bool))
+        for options, before in zip(placed, decided):
+            key = (id(options), before)
+            if key not in masks:
+                mask = np.array([all(a in done for _, a in p) and
+                                 frozenset(x for x in p if x[1] != axis) == before
+                                 for p in options])
+                masks[key] = mask if mask.any() else np.ones(len(options), dtype=bool)
+            keep.append(masks[key])
         answer, _ = solve_round(graph.restricted(keep))
         choice = [int(np.flatnonzero(k)[c]) for k, c in zip(keep, answer.choice)]
         decided = [frozenset(x for x in options[c] if x[1] in done)
@@ -81,6 +86,39 @@ def rounds_within(problem: Problem, mesh: MeshShape) -> search.Solution:
     choice_array = np.array(choice, dtype=np.int64)
     stats = {"nodes": graph.num_nodes(), "edges": graph.num_edges()}
     return search.Solution(choice_array, graph.total_cost(choice_array), stats)
+
+
+def _placed(problem: Problem) -> list[list[frozenset]]:
+    """Per node, per strategy, the (factor, axis) pairs it places: one list per strategy list
+    (nodes share theirs), made once per problem."""
+    if "placed" not in problem.derived:
+        lists: dict[int, list[frozenset]] = {}
+        pairs: dict[tuple, frozenset] = {}  # assignment -> its pairs: few assignments are distinct
+        for r in problem.roots:
+            options = problem.choices[r]
+            if id(options) not in lists:
+                for s in options:
+                    if s.assignment not in pairs:
+                        pairs[s.assignment] = frozenset((f, a) for f, axes in s.assignment
+                                                        for a in axes)
+                lists[id(options)] = [pairs[s.assignment] for s in options]
+        problem.derived["placed"] = [lists[id(problem.choices[r])] for r in problem.roots]
+    return problem.derived["placed"]
+
+
+def _masks(problem: Problem, key: tuple, selects: Callable[[Strategy], bool]
+           ) -> list[np.ndarray]:
+    """Per node, the mask of its strategies that `selects`, or all where it selects none;
+    worked out once per strategy list and kept in the problem under `key`."""
+    if key not in problem.derived:
+        lists: dict[int, np.ndarray] = {}
+        for r in problem.roots:
+            options = problem.choices[r]
+            if id(options) not in lists:
+                mask = np.array([selects(s) for s in options])
+                lists[id(options)] = mask if mask.any() else np.ones(len(mask), dtype=bool)
+        problem.derived[key] = [lists[id(problem.choices[r])] for r in problem.roots]
+    return problem.derived[key]
 
 
 def merged_within(problem: Problem, mesh: MeshShape) -> search.Solution:
@@ -91,13 +129,9 @@ def merged_within(problem: Problem, mesh: MeshShape) -> search.Solution:
     that: a small GPT on 2x2x2 stayed replicated, twice as slow as data parallel over all
     eight devices, which this restriction finds."""
     axes = sorted(n for n, size in zip(mesh.names, mesh.sizes) if size > 1)
-    keep = []
-    for r in problem.roots:
-        mask = np.array([not s.assignment or (
-            sum(1 for _, a in s.assignment if a) == 1
-            and sorted(a for _, used in s.assignment for a in used) == axes)
-            for s in problem.choices[r]])
-        keep.append(mask if mask.any() else np.ones(len(mask), dtype=bool))
+    keep = _masks(problem, ("merged", tuple(axes)), lambda s: not s.assignment or (
+        sum(1 for _, a in s.assignment if a) == 1
+        and sorted(a for _, used in s.assignment for a in used) == axes))
     return _solved_within(problem, keep, lambda graph: solve_round(graph)[0])
 
 
@@ -118,19 +152,16 @@ def paired_within(problem: Problem, pair: tuple[str, str], max_factor_size: floa
     again (docs/decisions.md, "Two neighbouring axes as one"). A node left with no such
     strategy keeps all."""
     first, second = pair
-    keep = []
-    for r in problem.roots:
-        mask = []
-        for s in problem.choices[r]:
-            factor_of = {a: f for f, axes in s.assignment for a in axes}
-            if first not in factor_of and second not in factor_of:
-                mask.append(True)
-                continue
-            axes = dict(s.assignment).get(factor_of.get(first), ())
-            at = axes.index(first) if first in axes else -1
-            mask.append(at >= 0 and axes[at:at + 2] == pair)
-        mask = np.array(mask)
-        keep.append(mask if mask.any() else np.ones(len(mask), dtype=bool))
+
+    def selects(s: Strategy) -> bool:
+        factor_of = {a: f for f, axes in s.assignment for a in axes}
+        if first not in factor_of and second not in factor_of:
+            return True
+        axes = dict(s.assignment).get(factor_of.get(first), ())
+        at = axes.index(first) if first in axes else -1
+        return at >= 0 and axes[at:at + 2] == pair
+
+    keep = _masks(problem, ("paired", pair), selects)
     return _solved_within(problem, keep, lambda graph: search.solve_bounded(
         graph, max_factor_size=max_factor_size))
 

@@ -13,6 +13,7 @@ import jax
 
 from autopar import progress
 from autopar.calling import Call
+from autopar.collector import paused, settle
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import plan_memory
 from autopar.cost.xla import BufferModel, buffer_model
@@ -90,7 +91,10 @@ class Planning:
         placement/lanes.py), and the circular schedule's stack stored in its placement where
         the step allows (traced again: to find which leaves, then reading them so)."""
         t0 = time.perf_counter()
-        with progress.stage("tracing"):
+        # Tracing makes what planning keeps (the program, its units): no collection runs
+        # while it does (a 96-layer GPT's trace had nine full ones, which freed nothing), and
+        # what it made is set aside from the collections after it (collector.settle).
+        with progress.stage("tracing"), paused():
             platform = platform or hw.platform
             found = (traced_lanes(fn, args, donated, platform)
                      if keep_placement and schedule.stages > 1 else None)
@@ -114,9 +118,11 @@ class Planning:
                     return found.graph
                 graph, stored = traced_stored(again, graph, schedule.stages, schedule.rounds,
                                               lanes)
-        return cls(graph, in_tree, out_tree, hw, search, annotations, buffer_model(platform),
-                   time.perf_counter() - t0, schedule=schedule, stored=stored, lanes=lanes,
-                   plan_out_tree=plan_out_tree)
+            planning = cls(graph, in_tree, out_tree, hw, search, annotations,
+                           buffer_model(platform), time.perf_counter() - t0, schedule=schedule,
+                           stored=stored, lanes=lanes, plan_out_tree=plan_out_tree)
+        settle()
+        return planning
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None,
              bound: bool = True, excluded: tuple[Decisions, ...] = ()) -> Planned:
@@ -197,6 +203,7 @@ class Planning:
                                  plan_memory(self.graph, decisions, shape, self.buffers))
         found = self.attempts[key] = Candidate(decisions, *self.costed[same],
                                                solved.stats.noting(trace_s=self.trace_s))
+        settle()  # the problems, answers and estimates kept for the next memory price
         return found
 
 

@@ -71,6 +71,9 @@ class Problem:
     times: list[int]  # unit -> how many units it is priced for (`repeats`)
 
     memory: list[np.ndarray] | None = None  # node -> bytes it keeps per device, per strategy
+    # What the searches within the problem derive from its strategies alone (axes.py: the axes
+    # each strategy places, the masks that restrict it), shared by the problem at every price.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def priced(self, graph: OpGraph, mesh: MeshShape, weight: float) -> Problem:
         """This problem with each byte per device it keeps of the step's inputs, activations
