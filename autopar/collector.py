@@ -47,7 +47,7 @@ def settle() -> None:
     ends. Outside it, nothing: only that block's exit gives them back to the collector.
     Objects set aside are still freed when no longer referenced; only cycles among them wait
     for the block's end."""
-    if _owned and gc.isenabled():
+    if _owned:  # also where paused: the objects made while it was are set aside unscanned
         gc.freeze()
 
 

@@ -4,6 +4,7 @@ and the most bytes live at once."""
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -84,7 +85,6 @@ class _Walk:
         program = graph.program
         producer_step, readers = edges(graph)
         materialised, into_sum, kind = model.values(graph)
-        last = _program_last_reads(graph, model)
         # A scatter into zeros for a sum alone scatters into the sum's other operand, unless
         # the sum reads it resharded: then it is a buffer of its own (made first where it
         # reads only inputs, as the loss's scatter of the labels does).
@@ -106,14 +106,7 @@ class _Walk:
                  - {i for i, step in enumerate(program) if step.remat})
         order = model.schedule(graph, groups, done + 1) or range(len(program))
         when = [begin if i in early else begin + at for i, at in enumerate(order)]
-        # The steps before the optimizer's keep their order: a value they alone need is last
-        # needed at the time of its last step.
-        last = {t: when[end] for t, end in last.items() if end <= done}
-        for i in range(len(program) - 1, -1, -1):
-            for t in program[i].outputs:
-                if t not in last:
-                    last[t] = _last_read(program, materialised, last, readers.get(t, ()),
-                                         when[i], when)
+        last = _timed_last_reads(graph, model, tuple(when), frozenset(materialised), done)
         # A layer is recomputed when the backward pass first reads one of its results; it
         # reads its inputs from other layers then, so those live until that step.
         backward = in_backward if recompute else frozenset()
@@ -130,7 +123,7 @@ class _Walk:
     def size(self, t: int) -> int:
         """The bytes of `t` on one device (shard_bytes; asked for every buffer of a walk, so
         each spec's count of shards is worked out once)."""
-        nbytes = _whole_bytes(self.graph)[t]
+        nbytes = self.whole_bytes[t]
         if not nbytes:
             return 0
         spec = self.specs.get(t)
@@ -138,6 +131,10 @@ class _Walk:
         if ways is None:
             ways = self.ways[spec] = group_size(self.mesh, [a for axes in spec for a in axes])
         return int(nbytes / ways)
+
+    @functools.cached_property
+    def whole_bytes(self) -> list[int]:
+        return _whole_bytes(self.graph)
 
     def last_read(self, steps: Iterable[int], default: int) -> int:
         return _last_read(self.graph.program, self.materialised, self.last, steps, default,
@@ -348,13 +345,12 @@ class _Walk:
         for b in buffers:
             delta[b.first] += b.nbytes
             delta[b.last + 1] -= b.nbytes
-        peak, peak_time, live = sum(base.values()), -1, sum(base.values())
-        series = []
-        for i in range(len(delta) - 1):
-            live += delta[i]
-            series.append(live)
-            if live > peak:
-                peak, peak_time = live, i
+        delta[0] += sum(base.values())
+        series = list(itertools.accumulate(delta[:-1]))  # the bytes live at each time
+        peak, peak_time = sum(base.values()), -1
+        if series and max(series) > peak:
+            peak = max(series)
+            peak_time = series.index(peak)  # the first time it is reached
         at_peak = dict(base)
         held = [Buffer(0, 0, self.kind[t], self.size(t), t, "input") for t in graph.inputs]
         for b in buffers:
@@ -362,8 +358,8 @@ class _Walk:
                 at_peak[b.kind] += b.nbytes
                 held.append(b)
         held.sort(key=lambda b: -b.nbytes)
-        then = [i for i, t in enumerate(self.when) if t == peak_time]
-        where = (step_name(graph.program[then[0]], then[0]) if then
+        then = self.when.index(peak_time) if peak_time in self.when else None
+        where = (step_name(graph.program[then], then) if then is not None
                  else "the copies of donated inputs" if peak_time >= 0 else "the start of the step")
         return MemoryEstimate(int(peak), at_peak, where,
                               tuple((buffer_name(graph, self.producer_step, b), b.nbytes)
@@ -394,6 +390,37 @@ def _program_last_reads(graph: OpGraph, model: BufferModel) -> dict[int, int]:
         for t in program[i].outputs:
             last[t] = _last_read(program, materialised, last, readers.get(t, ()), i)
     return last
+
+
+def _timed_last_reads(graph: OpGraph, model: BufferModel, when: tuple[int, ...],
+                      materialised: frozenset[int], done: int) -> dict[int, int]:
+    """Per value, the last time it is needed when the program's steps run at `when`: the
+    steps before the optimizer's keep their order, so a value they alone need is last needed
+    at the time of its last step. The last few answers are kept per graph: the estimates of a
+    memory budget's plans mostly ask the same."""
+    memo = _last_reads_memo(graph)
+    key = (when, materialised, done)
+    if key not in memo:
+        program, readers = graph.program, edges(graph)[1]
+        last = {t: when[end] for t, end in _program_last_reads(graph, model).items()
+                if end <= done}
+        for i in range(len(program) - 1, -1, -1):
+            for t in program[i].outputs:
+                if t not in last:
+                    last[t] = _last_read(program, materialised, last, readers.get(t, ()),
+                                         when[i], when)
+        if len(memo) >= LAST_READS_KEPT:
+            del memo[next(iter(memo))]
+        memo[key] = last
+    return memo[key]
+
+
+LAST_READS_KEPT = 4
+
+
+@per_graph
+def _last_reads_memo(graph: OpGraph) -> dict[tuple, dict[int, int]]:
+    return {}
 
 
 def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Iterable[int],

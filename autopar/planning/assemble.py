@@ -19,7 +19,7 @@ from autopar.plan_stats import Cost, SearchStats
 from autopar.rewrite.ticks import STAGE_AXIS
 from autopar.rules.factors import Spec, replicated
 from autopar.rules.kinds import SHIFTING
-from autopar.trace.analysis import recomputed_layers, recomputed_ops
+from autopar.trace.analysis import per_graph, recomputed_layers, recomputed_ops
 from autopar.trace.ir import OpGraph
 
 
@@ -108,6 +108,7 @@ def _counted(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     # The same operator of every block costs alike: timed and counted once.
     known: dict[tuple, tuple[tuple[float, float], dict[str, float]]] = {}
     facts, signatures = value_facts(graph), signature_ids(graph)
+    operands = _live_operands(graph)
     merged = _summed_alike(graph, decisions, mesh, hw)
     for op, st in zip(graph.ops, decisions.ops):
         key = (signatures[op.id], st)
@@ -122,9 +123,11 @@ def _counted(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
         if op.id in recomputed:  # runs twice: in the forward pass and again for the backward
             recompute_s += c
             c *= 2
-        count(collectives)
-        for i, (t, need) in enumerate(zip(op.inputs, st.in_specs)):
-            if not tensors[t].const and t in specs and specs[t] != need:
+        if collectives:
+            count(collectives)
+        for i, t in operands[op.id]:
+            need = st.in_specs[i]
+            if specs.get(t, need) != need:
                 times = op.operand_repeat(i)
                 move = times * reshard_time(tensors[t], specs[t], need, mesh, hw)
                 if (t, need) not in moved:
@@ -151,6 +154,14 @@ def _counted(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
         if moves is not None:
             moves.append(move)
     return out_specs, compute, comm, recompute_s, collective_bytes
+
+
+@per_graph  # read by every tally
+def _live_operands(graph: OpGraph) -> list[tuple[tuple[int, int], ...]]:
+    """Per op, (operand index, tensor) of its operands that are not constants: those a
+    strategy can ask to be resharded."""
+    return [tuple((i, t) for i, t in enumerate(op.inputs) if not graph.tensors[t].const)
+            for op in graph.ops]
 
 
 def _summed_alike(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware

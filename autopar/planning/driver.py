@@ -121,7 +121,7 @@ class Planning:
             planning = cls(graph, in_tree, out_tree, hw, search, annotations,
                            buffer_model(platform), time.perf_counter() - t0, schedule=schedule,
                            stored=stored, lanes=lanes, plan_out_tree=plan_out_tree)
-        settle()
+            settle()  # before the collector runs again, which would scan all tracing made
         return planning
 
     def plan(self, mesh: MeshShape | int, memory_limit: int | None = None,

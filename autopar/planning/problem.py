@@ -164,8 +164,12 @@ def alike_units(graph: OpGraph, units: list[Unit], ties: dict[int, int]) -> list
         results = tuple((graph.tensors[t].shape, graph.tensors[t].dtype,
                          t in kept and not graph.tensors[t].const) for t in unit.outputs)
         kind = (unit.cost_key, results, tuple(operands))
-        done.append(dataclasses.replace(unit, tie=ties.get(u), makers=tuple(makers),
-                                        alike=kinds.setdefault(kind, len(kinds))))
+        # Unit(...) rather than dataclasses.replace: one per op, and replace is several
+        # times slower
+        done.append(Unit(name=unit.name, rule=unit.rule, inputs=unit.inputs,
+                         outputs=unit.outputs, op=unit.op, cost_key=unit.cost_key,
+                         tie=ties.get(u), main=unit.main, makers=tuple(makers),
+                         alike=kinds.setdefault(kind, len(kinds))))
     return done
 
 
@@ -232,7 +236,7 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     """
     units = make_units(graph) if units is None else units
     mesh = canonical(mesh)
-    producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
+    producer = _producers(units, memo)
     same_layer = {u: unit.tie for u, unit in enumerate(units)
                   if tie_layers and unit.tie is not None}
     node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
@@ -254,6 +258,17 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     names = tuple(units[r].name for r in roots)
     cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
     return Problem(cost_graph, units, node_of, choices, producer, roots, times)
+
+
+def _producers(units: list[Unit], memo: dict | None) -> dict[int, tuple[int, int]]:
+    """Tensor -> (the unit that makes it, output index); kept in `memo` for its units."""
+    kept = memo.get("producers") if memo is not None else None
+    if kept is None or kept[0] is not units:
+        kept = (units, {t: (u, k) for u, unit in enumerate(units)
+                        for k, t in enumerate(unit.outputs)})
+        if memo is not None:
+            memo["producers"] = kept
+    return kept[1]
 
 
 def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],

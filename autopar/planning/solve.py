@@ -255,7 +255,10 @@ def _decisions(problem: Problem, solution: search.Solution, graph: OpGraph) -> D
 def tied_units(problem: Problem, graph: OpGraph) -> int:
     """Deciding units of `problem` that took an earlier instance's strategies (repeated
     layers): each would be a node of its own without the ties. A unit that follows its
-    operand's producer (as problem._group decides) shares a node whether tied or not."""
+    operand's producer (as problem._group decides) shares a node whether tied or not. Kept
+    with the problem: it depends on its structure alone."""
+    if "tied_units" in problem.derived:
+        return problem.derived["tied_units"]
     count = 0
     for u, unit in enumerate(problem.units):
         if unit.tie is None or problem.node_of[u] != problem.node_of[unit.tie]:
@@ -263,6 +266,7 @@ def tied_units(problem: Problem, graph: OpGraph) -> int:
         main = unit.main
         source = problem.producer.get(unit.inputs[main]) if main is not None else None
         count += source is None or source[0] >= u
+    problem.derived["tied_units"] = count
     return count
 
 
