@@ -136,7 +136,8 @@ def run(depths: list[int], devices: list[int], d_model: int, seq: int, batch: in
     first_calls = [first_call_case(b, hardware=hw) for hw in (None, "h100")
                    for b in ("dynamic_programming", "recursive_programming")]
     return {"planning": rows, "first_call": first_calls, "restart": restart.run(log),
-            "targets": planning_targets.run(log), "deep": planning_targets.run_deep(log)}
+            "targets": planning_targets.run(log), "deep": planning_targets.run_deep(log),
+            "pipeline": planning_targets.pipeline_case()}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -216,4 +217,6 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", planning_targets.markdown(result["targets"])]
     if result.get("deep"):
         lines += ["", planning_targets.deep_markdown(result["deep"])]
+    if result.get("pipeline"):
+        lines += ["", planning_targets.pipeline_markdown(result["pipeline"])]
     return "\n".join(lines)

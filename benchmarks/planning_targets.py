@@ -1,5 +1,6 @@
 """The planning targets, time, plan and bound per search: a Llama-3-8B-class train step for
-256 chips (below), and a deep GPT for 1,024 devices within 16 GiB (`deep_case`).
+256 chips (below), a deep GPT for 1,024 devices within 16 GiB (`deep_case`), and
+pipeline="auto" against one schedule (`pipeline_case`).
 
 The decoder of `tpu_models.llama("llama3-8b")` (32 layers, d_model 4096, grouped-query
 attention, SwiGLU, vocabulary 128,256, adamw; batch 256 of 4,096 tokens) with its layers as
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
 import time
 from typing import Any, Iterator
 
@@ -144,3 +146,47 @@ def deep_markdown(rows: list[dict[str, Any]]) -> str:
                   f"{own_s(deep) / own_s(shallow):.2f}x; {deep['layers']} layers within 10 s: "
                   f"{'yes' if deep['total_s'] <= 10 else 'no'}"]
     return "\n".join(lines)
+
+
+def pipeline_case(rounds: int = 3) -> dict[str, Any]:
+    """pipeline="auto" against one schedule: the pipeline suite's GPT (8 layers at d_model
+    1,024, seq 512, batch 32, adamw) on stage 4 x data 2, 2 h100s a node and the network
+    between at 10 GB/s (where "auto" keeps a pipeline), planned flat, as 4 stages x 8
+    microbatches, and with pipeline="auto", in turn; the median of `rounds` of each. Target:
+    "auto" within 3x the one schedule."""
+    from benchmarks import pipeline  # the suite's model and profile
+
+    step, state, data, mesh = pipeline._choice_case(dict(pipeline.CHOICE_CONFIG), 32, 512)
+    hw = pipeline.two_per_node(10e9)
+    forms = {"flat": {}, "one schedule": {"pipeline": 4, "microbatches": 8},
+             "auto": {"pipeline": "auto"}}
+
+    def seconds(options: dict[str, Any]) -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        plan = autopar.auto_parallel(step, mesh=mesh, donate_argnums=0, hardware=hw,
+                                     **options).plan(state, data)
+        return time.perf_counter() - t0, plan
+
+    seconds({})  # JAX's one-time costs, paid by none of the rows
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds):
+        for name, options in forms.items():
+            spent, plan = seconds(options)
+            times[name].append(spent)
+            if name == "auto":
+                kept, tried = plan.schedule(), len(plan.search_stats.schedules_tried or ())
+    row = {name: statistics.median(ts) for name, ts in times.items()}
+    return {**row, "schedules": tried, "kept": kept, "rounds": rounds}
+
+
+def pipeline_markdown(row: dict[str, Any]) -> str:
+    kept = row["kept"]
+    chosen = (f"{kept.stages} stages x {kept.microbatches} microbatches"
+              + (f", {kept.rounds} rounds" if kept.rounds > 1 else "")
+              if kept.stages > 1 else "no pipeline")
+    return "\n".join([
+        "## pipeline=\"auto\" against one schedule", "", inspect.cleandoc(pipeline_case.__doc__),
+        "", "| flat s | one schedule s | auto s | schedules weighed | kept | auto / one schedule |",
+        "|---|---|---|---|---|---|",
+        f"| {row['flat']:.2f} | {row['one schedule']:.2f} | {row['auto']:.2f} | "
+        f"{row['schedules']} | {chosen} | {row['auto'] / row['one schedule']:.2f}x |"])

@@ -1,7 +1,8 @@
 """Smoke runs of the benchmark suites at tiny sizes."""
 import pytest
 
-from benchmarks import planning, propagation
+from autopar.schedule import Schedule
+from benchmarks import planning, planning_targets, propagation
 
 
 def test_planning_benchmark_smoke():
@@ -13,6 +14,10 @@ def test_planning_benchmark_smoke():
                             seq=8, batch=16)
     table = planning.markdown({"planning": [row, dp], "first_call": []})
     assert "| 1 | 8 | recursive_programming |" in table and "| JAX trace s |" in table
+    auto = {"flat": 0.5, "one schedule": 1.0, "auto": 2.5, "schedules": 5, "rounds": 1,
+            "kept": Schedule(microbatches=8, stages=4)}
+    assert ("| 0.50 | 1.00 | 2.50 | 5 | 4 stages x 8 microbatches | 2.50x |"
+            in planning_targets.pipeline_markdown(auto))
 
 
 @pytest.mark.slow
