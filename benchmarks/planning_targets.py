@@ -174,7 +174,7 @@ def pipeline_case(rounds: int = 3) -> dict[str, Any]:
             spent, plan = seconds(options)
             times[name].append(spent)
             if name == "auto":
-                kept, tried = plan.schedule(), len(plan.search_stats.schedules_tried or ())
+                kept, tried = plan.schedule, len(plan.search_stats.schedules_tried or ())
     row = {name: statistics.median(ts) for name, ts in times.items()}
     return {**row, "schedules": tried, "kept": kept, "rounds": rounds}
 
