@@ -14,7 +14,7 @@ LIMIT = int(3.13 * GB)
 
 
 def candidate(ms: float, peak: float, exact: bool = False) -> Candidate:
-    return Candidate((ms, peak), SimpleNamespace(total_s=ms / 1e3),
+    return Candidate((ms, peak), lambda: SimpleNamespace(total_s=ms / 1e3),
                      SimpleNamespace(peak_bytes=int(peak * GB)),
                      SearchStats(exact=exact, seconds={"search_s": 0.1}))
 

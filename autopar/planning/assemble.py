@@ -60,13 +60,25 @@ class Candidate:
     as a Plan: the budget weighs many, and only the one kept becomes a Plan."""
 
     decisions: Decisions
-    tally: Tally
+    # The tally, made when first read: of the candidates a budget weighs, most of those that
+    # do not fit are never timed (a pass over every operator each)
+    tallied: Callable[[], Tally]
     memory: MemoryEstimate
     stats: SearchStats
 
     @property
+    def tally(self) -> Tally:
+        return self.tallied()
+
+    @property
     def peak_bytes(self) -> int:
         return self.memory.peak_bytes
+
+
+def tallying(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
+             pinned: dict[int, Spec] | None = None) -> Callable[[], Tally]:
+    """`tally` of `decisions`, made on the first call and kept."""
+    return functools.cache(lambda: tally(graph, decisions, mesh, hw, pinned))
 
 
 def tally(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware,
@@ -233,7 +245,7 @@ def assemble(graph: OpGraph, decisions: Decisions, mesh: MeshShape, hw: Hardware
     """The Plan of `decisions` (tally, memory estimate, write-up in one). `buffers` is the
     compiler's buffer model, by default the one of the profile's platform."""
     buffers = buffers or buffer_model(hw.platform)
-    chosen = Candidate(decisions, tally(graph, decisions, mesh, hw, pinned),
+    chosen = Candidate(decisions, tallying(graph, decisions, mesh, hw, pinned),
                        plan_memory(graph, decisions, mesh, buffers), stats)
     return written_up(graph, chosen, mesh, hw, search, in_tree, out_tree, memory_limit, buffers)
 

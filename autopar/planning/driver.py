@@ -24,7 +24,8 @@ from autopar.placement.lanes import Lanes, traced_lanes
 from autopar.placement.storable import Storage, storage
 from autopar.plan import Plan
 from autopar.plan_stats import SearchStats
-from autopar.planning.assemble import Candidate, assemble, pipeline_detail, tally, written_up
+from autopar.planning.assemble import (Candidate, assemble, pipeline_detail, tallying,
+                                      written_up)
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
 from autopar.planning.pricing import Unit
@@ -199,7 +200,7 @@ class Planning:
         decisions = dataclasses.replace(solved.decisions, recompute=recompute)
         same = (shape, tuple(decisions.inputs), tuple(decisions.ops), recompute)
         if same not in self.costed:
-            self.costed[same] = (tally(self.graph, decisions, shape, self.hw, pinned),
+            self.costed[same] = (tallying(self.graph, decisions, shape, self.hw, pinned),
                                  plan_memory(self.graph, decisions, shape, self.buffers))
         found = self.attempts[key] = Candidate(decisions, *self.costed[same],
                                                solved.stats.noting(trace_s=self.trace_s))

@@ -95,7 +95,8 @@ class Problem:
 
     def decode(self, choice: np.ndarray) -> list[Strategy]:
         """The strategy of every unit under the search's choice per node."""
-        return [self.choices[u][int(choice[self.node_of[u]])] for u in range(len(self.units))]
+        picks = np.asarray(choice).tolist()  # Python ints: indexing an array per unit is slower
+        return [options[picks[node]] for options, node in zip(self.choices, self.node_of)]
 
 
 def kept_problem(problems: dict | None, key: Any, build: Callable[[], Problem]) -> Problem:
