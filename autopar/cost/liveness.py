@@ -158,6 +158,14 @@ class _Walk:
         when, last, layer_at, needed = self.when, self.last, self.layer_at, self.needed
         whole_until = self._whole_until()
         producer_step, kinds, size = self.producer_step, self.kind, self.size
+        # A value another recomputed layer reads lives until that layer is recomputed.
+        read_again: dict[int, int] = {}
+        for r, layer in layer_at.items():
+            again = needed.get(layer, 0)
+            for t in self.graph.program[r].inputs:
+                if layer_at.get(producer_step.get(t, -1)) != layer and (
+                        again > read_again.get(t, 0)):
+                    read_again[t] = again
         out = []
         for t in self.materialised - set(self.graph.outputs):
             made = producer_step[t]
@@ -166,21 +174,18 @@ class _Walk:
                 out.append(Buffer(start, whole_until.get(t, last[t]), kind, size(t), t))
                 continue
             own = layer_at.get(made)
-            read_again = max([needed.get(layer_at[r], 0) for r in self.readers.get(t, ())
-                              if r in layer_at and layer_at[r] != own], default=0
-                             ) if layer_at else 0
             if own is not None:
                 used = self.uses(t)
                 bwd = [when[r] for r in used if r in self.backward]
                 if bwd:
                     fwd = [when[r] for r in used if r not in self.backward]
-                    out.append(Buffer(start, max(fwd + [start, read_again]), kind, self.size(t),
-                                      t))
+                    out.append(Buffer(start, max(fwd + [start, read_again.get(t, 0)]), kind,
+                                      self.size(t), t))
                     again = min(needed.get(own, min(bwd)), min(bwd))
                     out.append(Buffer(again, max(bwd), "temporaries", self.size(t), t,
                                       "recomputed"))
                     continue
-            end = max(whole_until.get(t, last[t]), read_again)
+            end = max(whole_until.get(t, last[t]), read_again.get(t, 0))
             out.append(Buffer(start, end, kind, self.size(t), t))
         return out
 
