@@ -152,8 +152,8 @@ def pipeline_case(rounds: int = 3) -> dict[str, Any]:
     """pipeline="auto" against one schedule: the pipeline suite's GPT (8 layers at d_model
     1,024, seq 512, batch 32, adamw) on stage 4 x data 2, 2 h100s a node and the network
     between at 10 GB/s (where "auto" keeps a pipeline), planned flat, as 4 stages x 8
-    microbatches, and with pipeline="auto", in turn; the median of `rounds` of each. Target:
-    "auto" within 3x the one schedule."""
+    microbatches, and with pipeline="auto", in turn; the median of three rounds (`rounds`) of
+    each. Target: "auto" within 3x the one schedule."""
     from benchmarks import pipeline  # the suite's model and profile
 
     step, state, data, mesh = pipeline._choice_case(dict(pipeline.CHOICE_CONFIG), 32, 512)

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from autopar.cost.estimate import (KINDS, Buffer, MemoryEstimate, buffer_name, step_name,
                                    timeline_of)
+from autopar.cost.last_reads import last_read, timed_last_reads
 from autopar.cost.loop_bodies import body_collectives, body_peak, body_sum, converted_stacks
 from autopar.cost.model import group_size, shard_bytes
 from autopar.cost.xla.buffers import BufferModel
@@ -106,7 +107,7 @@ class _Walk:
                  - {i for i, step in enumerate(program) if step.remat})
         order = model.schedule(graph, groups, done + 1) or range(len(program))
         when = [begin if i in early else begin + at for i, at in enumerate(order)]
-        last = _timed_last_reads(graph, model, tuple(when), frozenset(materialised), done)
+        last = timed_last_reads(graph, model, tuple(when), frozenset(materialised), done)
         # A layer is recomputed when the backward pass first reads one of its results; it
         # reads its inputs from other layers then, so those live until that step.
         backward = in_backward if recompute else frozenset()
@@ -137,7 +138,7 @@ class _Walk:
         return _whole_bytes(self.graph)
 
     def last_read(self, steps: Iterable[int], default: int) -> int:
-        return _last_read(self.graph.program, self.materialised, self.last, steps, default,
+        return last_read(self.graph.program, self.materialised, self.last, steps, default,
                           self.when)
 
     def uses(self, t: int) -> set[int]:
@@ -382,59 +383,3 @@ def _whole_bytes(graph: OpGraph) -> list[int]:
 def _transposed(graph: OpGraph, model: BufferModel) -> frozenset[tuple[int, int]]:
     """(step, operand) of each operand `model`'s compiler transposes into a copy for its step."""
     return frozenset((i, k) for i, k, _ in model.transposed_operands(graph))
-
-
-@per_graph
-def _program_last_reads(graph: OpGraph, model: BufferModel) -> dict[int, int]:
-    """The program step at which each value is last needed (a fused value is read where its
-    fused reader's result is)."""
-    program, readers = graph.program, edges(graph)[1]
-    materialised = model.values(graph).materialised
-    last: dict[int, int] = {}
-    for i in range(len(program) - 1, -1, -1):  # backwards: readers are settled first
-        for t in program[i].outputs:
-            last[t] = _last_read(program, materialised, last, readers.get(t, ()), i)
-    return last
-
-
-def _timed_last_reads(graph: OpGraph, model: BufferModel, when: tuple[int, ...],
-                      materialised: frozenset[int], done: int) -> dict[int, int]:
-    """Per value, the last time it is needed when the program's steps run at `when`: the
-    steps before the optimizer's keep their order, so a value they alone need is last needed
-    at the time of its last step. The last few answers are kept per graph: the estimates of a
-    memory budget's plans mostly ask the same."""
-    memo = _last_reads_memo(graph)
-    key = (when, materialised, done)
-    if key not in memo:
-        program, readers = graph.program, edges(graph)[1]
-        last = {t: when[end] for t, end in _program_last_reads(graph, model).items()
-                if end <= done}
-        for i in range(len(program) - 1, -1, -1):
-            for t in program[i].outputs:
-                if t not in last:
-                    last[t] = _last_read(program, materialised, last, readers.get(t, ()),
-                                         when[i], when)
-        if len(memo) >= LAST_READS_KEPT:
-            del memo[next(iter(memo))]
-        memo[key] = last
-    return memo[key]
-
-
-LAST_READS_KEPT = 4
-
-
-@per_graph
-def _last_reads_memo(graph: OpGraph) -> dict[tuple, dict[int, int]]:
-    return {}
-
-
-def _last_read(program: Any, materialised: Any, last: dict[int, int], steps: Iterable[int],
-               default: int, when: Any = None) -> int:
-    """The last time a value read at `steps` is needed, fused readers followed; times are
-    program steps, or `when[step]` where given (see schedule)."""
-    end = default
-    for r in steps:
-        at = r if when is None else when[r]
-        end = max(end, at, *(last.get(o, at) for o in program[r].outputs
-                             if o not in materialised))
-    return end

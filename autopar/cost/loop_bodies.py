@@ -39,7 +39,7 @@ def body_peak(graph: OpGraph, ids: tuple[int, ...], fused: frozenset[int],
     body, with the `extra` buffers that the body's collectives make. `deferred`: the
     weight gradients' dots run at the end of the body (see weight_gradients). A `fused`
     value is computed again inside each of its readers, so what it is made from lives until
-    its last reader runs (as the program's walk follows fused readers, liveness._last_read):
+    its last reader runs (as the program's walk follows fused readers, last_reads.last_read):
     a softmax's backward fused into the two dots that read it holds the probabilities and
     their gradient until the second dot."""
     at = list(range(len(ids)))  # when each op runs
