@@ -21,6 +21,8 @@ from benchmarks import planning_targets, restart
 
 # jax.monitoring's event for XLA's backend compile (jax/_src/dispatch.py)
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+LOWERING_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration")
 
 MESHES = {8: {"data": 2, "model": 4}, 64: {"data": 8, "model": 8}, 1024: {"data": 64, "model": 16}}
 
@@ -73,10 +75,13 @@ def first_call_case(search: str, repeats: int = 3, hardware: str | None = None
         return models.gpt_setup(batch=16, seq=64, vocab=512, d_model=256, heads=4, layers=4)
 
     compiles: list[float] = []  # XLA's backend compile of each program, in seconds
+    lowerings: list[float] = []  # JAX's traces to a jaxpr and lowerings to StableHLO
 
     def on_event(event: str, seconds: float, **_: Any) -> None:
         if event == BACKEND_COMPILE_EVENT:
             compiles.append(seconds)
+        elif event in LOWERING_EVENTS:
+            lowerings.append(seconds)
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     rounds = []
@@ -86,8 +91,12 @@ def first_call_case(search: str, repeats: int = 3, hardware: str | None = None
             compiles.clear()
             t0 = time.perf_counter()
             stepper = autopar.auto_parallel(step, mesh=mesh, search=search, hardware=hardware)
+            stepper.plan(state, batch)  # the planning the call does first, timed apart
+            planned = time.perf_counter() - t0
+            lowerings.clear()
             jax.block_until_ready(stepper(state, batch))
             ours, ours_compile = time.perf_counter() - t0, sum(compiles)
+            lowering = sum(lowerings)  # the planned program traced and lowered
             stats = stepper.plan(state, batch).search_stats
             (state_in, batch_in), _ = stepper.input_shardings(state, batch)
             same_layout = (all(s.spec == P() for s in jax.tree_util.tree_leaves(state_in))
@@ -104,7 +113,9 @@ def first_call_case(search: str, repeats: int = 3, hardware: str | None = None
             t0 = time.perf_counter()
             jax.block_until_ready(jax.jit(step, in_shardings=(state_in, batch_in))(state, batch))
             same, same_compile = time.perf_counter() - t0, sum(compiles)
-            rounds.append({"autopar_first_call_s": ours, "trace_s": stats["trace_s"],
+            rounds.append({"autopar_first_call_s": ours, "plan_s": planned,
+                           "lowering_s": lowering, "own_share": (planned + lowering) / ours,
+                           "trace_s": stats["trace_s"],
                            "search_s": stats["search_s"], "autopar_compile_s": ours_compile,
                            "jit_first_call_s": plain, "jit_compile_s": plain_compile,
                            "same_layout_jit_first_call_s": same,
@@ -193,14 +204,18 @@ def markdown(result: dict[str, Any]) -> str:
               "the step out as the data-parallel jit does. The control is `jax.jit` given "
               "autopar's input shardings, XLA propagating the rest: what the layout alone "
               "costs.", "",
-              "`autopar's share` is the first call's time outside XLA's compile: trace, "
-              "search, lowering and placement.", "",
+              "`outside XLA's compile` is the share of the first call that is not XLA's "
+              "compile: autopar's trace, search and lowering, and the placement of the inputs "
+              "(JAX's, as for jax.jit). `autopar's own` is the share of planning (trace, "
+              "search, write-up) and lowering (the planned program traced and lowered to "
+              "StableHLO, JAX's `jaxpr_trace` and `jaxpr_to_mlir_module` events) alone.", "",
               "| search | profile | data-parallel layout | devices | autopar first call s | "
               "of which trace s | of which search s | of which XLA compile s | "
               "jax.jit first call s | of which XLA compile s | ratio | ratio without XLA compile "
               "| jax.jit in autopar's layout: first call s | of which XLA compile s | "
-              "ratio to it | autopar's share |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "ratio to it | outside XLA's compile | of which plan s | of which lowering s | "
+              "autopar's own |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in result["first_call"]:
         lines.append(f"| {o['search']} | {o.get('hardware', '')} | "
                      f"{'yes' if o.get('data_parallel_layout') else 'no'} | {o['devices']} | "
@@ -210,7 +225,9 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{o['ratio']:.2f} | {o['ratio_without_compile']:.2f} | "
                      f"{o['same_layout_jit_first_call_s']:.2f} | "
                      f"{o['same_layout_jit_compile_s']:.2f} | {o['ratio_to_same_layout']:.2f} | "
-                     f"{1 - o['autopar_compile_s'] / o['autopar_first_call_s']:.0%} |")
+                     f"{1 - o['autopar_compile_s'] / o['autopar_first_call_s']:.0%} | "
+                     + (f"{o['plan_s']:.2f} | {o['lowering_s']:.2f} | {o['own_share']:.0%} |"
+                        if "plan_s" in o else " |  |  |"))
     if result.get("restart"):
         lines += ["", restart.markdown(result["restart"])]
     if result.get("targets"):
