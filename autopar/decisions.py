@@ -3,6 +3,7 @@ What the search hands to the cost model's estimates and to lowering, below the P
 that reports them."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -32,3 +33,12 @@ class Decisions:
             specs.update(zip(op.outputs, st.out_specs))
         self.__dict__["_specs"] = (graph, specs)
         return specs
+
+    def recomputing(self, recompute: frozenset[int]) -> Decisions:
+        """The same decisions with `recompute` the steps recomputed: the tensors' shardings,
+        which recompute does not change, are shared (a memory budget tries each plan with and
+        without recompute)."""
+        out = dataclasses.replace(self, recompute=recompute)
+        if "_specs" in self.__dict__:
+            out.__dict__["_specs"] = self.__dict__["_specs"]
+        return out

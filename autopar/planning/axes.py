@@ -219,8 +219,8 @@ def solve_recursive(graph: OpGraph, mesh: MeshShape, hw: Hardware,
             extension = None
             if problem is not None:  # keep what the earlier rounds decided
                 strategies = problem.decode(solution.choice)
-                extension = Extension(frozenset(done), {
-                    u: dict(strategies[u].assignment) for u in range(len(problem.units))})
+                extension = Extension(frozenset(done),
+                                      lambda u, chosen=strategies: dict(chosen[u].assignment))
             return build_problem(graph, sub, hw, sub_pins, extend=extension, units=units,
                                  narrow=narrow, memo=problems)
 
@@ -270,9 +270,9 @@ def _merged_rounds(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     ).priced(graph, one, memory_weight)
     answer, _ = solve_round(first.graph)
     rest = [a for a in mesh.names if a in order[:-1]]
-    extension = Extension(frozenset(rest), {
-        u: {f: tuple(rest) for f, axes in s.assignment if axes}
-        for u, s in enumerate(first.decode(answer.choice))})
+    merged = first.decode(answer.choice)
+    extension = Extension(frozenset(rest), lambda u: {
+        f: tuple(rest) for f, axes in merged[u].assignment if axes})
     whole = kept_problem(problems, ("all axes as one", narrow, answer.choice.tobytes()),
                          lambda: build_problem(graph, mesh, hw, pinned, extend=extension,
                                                units=units, narrow=narrow, memo=problems)

@@ -272,7 +272,7 @@ def _layers_to_recompute(graph: OpGraph, decisions: Decisions, peak_bytes: int,
         return frozenset(i for name in order[:n] for i in layers[name])
 
     def fits(n: int) -> bool:
-        trial = dataclasses.replace(decisions, recompute=first(n))
+        trial = decisions.recomputing(first(n))
         return plan_memory(graph, trial, mesh, buffers).peak_bytes <= limit
 
     # The fewest layers that fit (recomputing more layers keeps less). A deep model has too many

@@ -197,7 +197,7 @@ class Planning:
                 self.solved[searched] = solve(self.graph, shape, self.hw, self.search, pinned,
                                               price, self.units, problems, kept_budget)
         solved = self.solved[searched]
-        decisions = dataclasses.replace(solved.decisions, recompute=recompute)
+        decisions = solved.decisions.recomputing(recompute)
         same = (shape, tuple(decisions.inputs), tuple(decisions.ops), recompute)
         if same not in self.costed:
             self.costed[same] = (tallying(self.graph, decisions, shape, self.hw, pinned),

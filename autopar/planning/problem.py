@@ -46,15 +46,18 @@ TIE_PRICE = 1e-18
 
 @dataclass(frozen=True)
 class Extension:
-    """Decisions of earlier rounds: for each unit, the factor each of `axes` went to."""
+    """Decisions of earlier rounds: for a unit `u`, `before(u)` maps each factor to the axes
+    of `axes` it went to. Asked only of the units that decide (a build reads a few hundred of
+    tens of thousands)."""
 
     axes: frozenset[str]
-    assignments: dict[int, dict[str, tuple[str, ...]]] = field(hash=False)
+    before: Callable[[int], dict[str, tuple[str, ...]]] = field(hash=False, compare=False)
 
-    def filter(self, options: list[Strategy], before: dict[str, tuple[str, ...]]) -> list[Strategy]:
+    def filter(self, options: list[Strategy], u: int) -> list[Strategy]:
+        """The strategies of unit `u` among `options` that place `axes` as before."""
         def placed(assignment) -> set[tuple[str, str]]:
             return {(f, a) for f, axes in assignment for a in axes if a in self.axes}
-        want = placed(before.items())
+        want = placed(self.before(u).items())
         return [s for s in options if placed(s.assignment) == want]
 
 
@@ -299,8 +302,8 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
             node_of.append(len(roots))
             roots.append(u)
             options = pinned_strategies(unit.rule, mesh, fixed)
-            if len(options) > 1 and extend is not None and u in extend.assignments:
-                options = extend.filter(options, extend.assignments[u]) or options
+            if len(options) > 1 and extend is not None:
+                options = extend.filter(options, u) or options
             choices.append(options)
         elif source is not None and source[0] < u:
             src_unit, k = source
@@ -325,8 +328,8 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
             scatter = (("first" if set(unit.outputs) & weight_gradients(graph) else False)
                        if narrow else True)
             options = enumerate_strategies(unit.rule, mesh, scatter=scatter)
-            if extend is not None and u in extend.assignments:
-                options = extend.filter(options, extend.assignments[u]) or options[:1]
+            if extend is not None:
+                options = extend.filter(options, u) or options[:1]
             choices.append(options)
     return node_of, choices, roots
 
