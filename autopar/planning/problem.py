@@ -297,7 +297,7 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     for u, unit in enumerate(units):
         main = unit.main
         source = producer.get(unit.inputs[main]) if main is not None else None
-        fixed = pinned.get(unit.outputs[0]) if unit.outputs else None
+        fixed = pinned.get(unit.outputs[0]) if pinned and unit.outputs else None
         if fixed is not None:
             node_of.append(len(roots))
             roots.append(u)
