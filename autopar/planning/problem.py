@@ -42,6 +42,7 @@ from autopar.trace.layers import repeated_ties
 # parallelism, and 2x slower at the data-parallel program's memory, where the budget had to
 # choose a leaner plan).
 TIE_PRICE = 1e-18
+Made = tuple[int, int]  # where a tensor is made: (the unit that makes it, its output index)
 
 
 @dataclass(frozen=True)
@@ -240,10 +241,10 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     """
     units = make_units(graph) if units is None else units
     mesh = canonical(mesh)
-    producer = _producers(units, memo)
+    producer, sources = _producers(units, memo)
     same_layer = {u: unit.tie for u, unit in enumerate(units)
                   if tie_layers and unit.tie is not None}
-    node_of, choices, roots = _group(graph, units, producer, mesh, same_layer, extend,
+    node_of, choices, roots = _group(graph, units, sources, mesh, same_layer, extend,
                                      pinned or {}, narrow)
     op_costs, reshard = ({}, Resharding(mesh, hw)) if memo is None else memo.setdefault(
         ("pricing", mesh, hw), ({}, Resharding(mesh, hw)))
@@ -264,21 +265,24 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     return Problem(cost_graph, units, node_of, choices, producer, roots, times)
 
 
-def _producers(units: list[Unit], memo: dict | None) -> dict[int, tuple[int, int]]:
-    """Tensor -> (the unit that makes it, output index); kept in `memo` for its units."""
+def _producers(units: list[Unit], memo: dict | None
+               ) -> tuple[dict[int, Made], list[Made | None]]:
+    """Tensor -> where it is made, and per unit where its main operand is (None: the unit
+    decides); kept in `memo` for its units: every build of the graph reads them."""
     kept = memo.get("producers") if memo is not None else None
     if kept is None or kept[0] is not units:
-        kept = (units, {t: (u, k) for u, unit in enumerate(units)
-                        for k, t in enumerate(unit.outputs)})
+        producer = {t: (u, k) for u, unit in enumerate(units) for k, t in enumerate(unit.outputs)}
+        sources = [None if unit.main is None else producer.get(unit.inputs[unit.main])
+                   for unit in units]
+        kept = (units, producer, sources)
         if memo is not None:
             memo["producers"] = kept
-    return kept[1]
+    return kept[1], kept[2]
 
 
-def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int]],
-           mesh: MeshShape, same_layer: dict[int, int], extend: Extension | None,
-           pinned: dict[int, Spec], narrow: bool = False
-           ) -> tuple[list[int], list[list[Strategy]], list[int]]:
+def _group(graph: OpGraph, units: list[Unit], sources: list[Made | None], mesh: MeshShape,
+           same_layer: dict[int, int], extend: Extension | None, pinned: dict[int, Spec],
+           narrow: bool = False) -> tuple[list[int], list[list[Strategy]], list[int]]:
     """Nodes of the search: which node each unit belongs to, each unit's strategy for every
     strategy of its node, and the unit that defines each node.
 
@@ -294,9 +298,8 @@ def _group(graph: OpGraph, units: list[Unit], producer: dict[int, tuple[int, int
     roots: list[int] = []
     derived: dict[tuple, list[Strategy]] = {}
     lists: dict[tuple[Strategy, ...], list[Strategy]] = {}
-    for u, unit in enumerate(units):
+    for u, (unit, source) in enumerate(zip(units, sources)):
         main = unit.main
-        source = producer.get(unit.inputs[main]) if main is not None else None
         fixed = pinned.get(unit.outputs[0]) if pinned and unit.outputs else None
         if fixed is not None:
             node_of.append(len(roots))
