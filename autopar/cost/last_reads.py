@@ -10,6 +10,8 @@ from autopar.cost.xla.buffers import BufferModel
 from autopar.trace.analysis import edges, per_graph
 from autopar.trace.ir import OpGraph
 
+LAST_READS_KEPT = 4  # the schedules whose last reads are kept per graph
+
 
 @per_graph
 def program_last_reads(graph: OpGraph, model: BufferModel) -> dict[int, int]:
@@ -46,8 +48,6 @@ def timed_last_reads(graph: OpGraph, model: BufferModel, when: tuple[int, ...],
         memo[key] = last
     return memo[key]
 
-
-LAST_READS_KEPT = 4
 
 
 @per_graph

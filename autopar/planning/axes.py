@@ -88,37 +88,38 @@ def rounds_within(problem: Problem, mesh: MeshShape) -> search.Solution:
     return search.Solution(choice_array, graph.total_cost(choice_array), stats)
 
 
-def _placed(problem: Problem) -> list[list[frozenset]]:
-    """Per node, per strategy, the (factor, axis) pairs it places: one list per strategy list
-    (nodes share theirs), made once per problem."""
-    if "placed" not in problem.derived:
-        lists: dict[int, list[frozenset]] = {}
-        pairs: dict[tuple, frozenset] = {}  # assignment -> its pairs: few assignments are distinct
+def _per_list(problem: Problem, key: Any, make: Callable[[list[Strategy]], Any]) -> list:
+    """Per node, `make` of its strategy list: worked out once per list (nodes share theirs: a
+    repeated layer's, every memory price's problem) and kept in the problem under `key`."""
+    if key not in problem.derived:
+        lists: dict[int, Any] = {}
         for r in problem.roots:
             options = problem.choices[r]
             if id(options) not in lists:
-                for s in options:
-                    if s.assignment not in pairs:
-                        pairs[s.assignment] = frozenset((f, a) for f, axes in s.assignment
-                                                        for a in axes)
-                lists[id(options)] = [pairs[s.assignment] for s in options]
-        problem.derived["placed"] = [lists[id(problem.choices[r])] for r in problem.roots]
-    return problem.derived["placed"]
+                lists[id(options)] = make(options)
+        problem.derived[key] = [lists[id(problem.choices[r])] for r in problem.roots]
+    return problem.derived[key]
+
+
+def _placed(problem: Problem) -> list[list[frozenset]]:
+    """Per node, per strategy, the (factor, axis) pairs it places."""
+    pairs: dict[tuple, frozenset] = {}  # assignment -> its pairs: few assignments are distinct
+
+    def placed(options: list[Strategy]) -> list[frozenset]:
+        for s in options:
+            if s.assignment not in pairs:
+                pairs[s.assignment] = frozenset((f, a) for f, axes in s.assignment for a in axes)
+        return [pairs[s.assignment] for s in options]
+    return _per_list(problem, "placed", placed)
 
 
 def _masks(problem: Problem, key: tuple, selects: Callable[[Strategy], bool]
            ) -> list[np.ndarray]:
-    """Per node, the mask of its strategies that `selects`, or all where it selects none;
-    worked out once per strategy list and kept in the problem under `key`."""
-    if key not in problem.derived:
-        lists: dict[int, np.ndarray] = {}
-        for r in problem.roots:
-            options = problem.choices[r]
-            if id(options) not in lists:
-                mask = np.array([selects(s) for s in options])
-                lists[id(options)] = mask if mask.any() else np.ones(len(mask), dtype=bool)
-        problem.derived[key] = [lists[id(problem.choices[r])] for r in problem.roots]
-    return problem.derived[key]
+    """Per node, the mask of its strategies that `selects`, or all where it selects none."""
+    def mask(options: list[Strategy]) -> np.ndarray:
+        chosen = np.array([selects(s) for s in options])
+        return chosen if chosen.any() else np.ones(len(chosen), dtype=bool)
+    return _per_list(problem, key, mask)
 
 
 def merged_within(problem: Problem, mesh: MeshShape) -> search.Solution:

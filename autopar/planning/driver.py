@@ -93,7 +93,7 @@ class Planning:
         the step allows (traced again: to find which leaves, then reading them so)."""
         t0 = time.perf_counter()
         # Tracing makes what planning keeps (the program, its units): no collection runs
-        # while it does (a 96-layer GPT's trace had nine full ones, which freed nothing), and
+        # while it does (a 96-layer GPT's trace and units had eleven full ones, which freed nothing), and
         # what it made is set aside from the collections after it (collector.settle).
         with progress.stage("tracing"), paused():
             platform = platform or hw.platform
