@@ -14,7 +14,8 @@ where jax's first device is an accelerator, measures the realistic models' steps
 beside their judged and estimated times.
 `tpu` sets our plans against MaxText-style experts on TPU slices of 64 to 512 chips, every
 program compiled by the TPU compiler (libtpu's compile-only topologies) and judged by
-benchmarks/judge.py, which shares no code with the planner.
+benchmarks/judge.py, which shares no code with the planner; `gpu` does the same on one node of 8
+GPUs, mocked over one real GPU (benchmarks/gpu_suite.py says how to start it).
 Results go to benchmarks/results/<suite>.md and .json, with the machine and versions, replacing
 the suite's previous results (quality's with --memory-matched add the memory-matched table).
 Timings are of this machine; compare them as ratios within one run.
@@ -34,7 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import jax  # noqa: E402
 
 from benchmarks import (accumulation, device, fidelity, memory, pipeline,  # noqa: E402
-                        planning, propagation, quality, quality_report, tpu_suite)
+                        gpu_suite, planning, propagation, quality, quality_report,
+                        tpu_suite)
 from benchmarks.zoo import ZOO  # noqa: E402
 
 TITLES = {"quality": "Plan quality against expert shardings, judged from compiled programs",
@@ -45,9 +47,13 @@ TITLES = {"quality": "Plan quality against expert shardings, judged from compile
           "pipeline": "Pipeline parallelism: stages predicted against compiled",
           "device": "One real accelerator: measured step times beside the judged ones",
           "tpu": "TPU slices: our plans against MaxText-style experts, compiled by the TPU "
-                 "compiler and judged independently"}
-# Suites run by default; `device` needs an accelerator and runs where one is at hand.
-DEFAULT_SUITES = [s for s in TITLES if s != "device" or jax.devices()[0].platform != "cpu"]
+                 "compiler and judged independently",
+          "gpu": "One node of 8 GPUs: our plans against MaxText-style experts, compiled by "
+                 "XLA's GPU compiler (a mock topology over one GPU) and judged independently"}
+# Suites run by default; `device` needs an accelerator and runs where one is at hand; `gpu`
+# needs one GPU started as a mock node (benchmarks/gpu_suite.py), so it is asked for by name.
+DEFAULT_SUITES = [s for s in TITLES if s != "gpu"
+                  and (s != "device" or jax.devices()[0].platform != "cpu")]
 
 
 def machine() -> dict[str, str]:
@@ -165,6 +171,12 @@ def main() -> None:
             result = tpu_suite.run({n: cases[n] for n in _known(names, cases)},
                                    args.memory_matched, log=log, experts_from=kept)
             table = tpu_suite.markdown(result)
+        elif suite == "gpu":
+            names = [m for m in args.models or () if m in gpu_suite.CASES] or list(
+                gpu_suite.CASES)
+            print(f"gpu benchmark: cases {names}", flush=True)
+            result = gpu_suite.run({n: gpu_suite.CASES[n] for n in names}, log=log)
+            table = gpu_suite.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
             result = {**pipeline.run(log=log), **pipeline.choice(log=log),

@@ -1,7 +1,8 @@
-"""An independent judge of compiled TPU programs: step time per device, from the HLO.
+"""An independent judge of compiled TPU and GPU programs: step time per device, from the HLO.
 
-Reads any `jax.stages.Compiled` built for a mesh of (compile-only) TPU devices and shares
-no code with the planner, so it grades the planner fairly.  Choices and sources:
+Reads any `jax.stages.Compiled` built for a mesh of (compile-only) TPU devices, or of GPUs
+(one node's, mocked or real), and shares no code with the planner, so it grades the planner
+fairly.  The HLO is read by `benchmarks/judge_hlo.py`.  Choices and sources:
 
 * Compute: roofline max(flops / peak, bytes / HBM bandwidth) from `cost_analysis()`.  On
   jax 0.10.2 / libtpu 0.0.42.1 it counts a while body ONCE (a scan of 8 matmuls reports
@@ -41,19 +42,29 @@ no code with the planner, so it grades the planner fairly.  Choices and sources:
   1,200 GB/s, 3D torus, 45 GB/s one way per link (jax-ml "How to Scale Your Model") ->
   90 GB/s.  Devices that are TensorCores (v4 lists 2 per chip) get a share of the chip's
   flops and HBM; traffic between two cores of one chip is still priced as ICI.
+* GPUs (NVIDIA datasheets, SXM): H100 and H200 989 TFLOP/s dense bf16, HBM 3,350 / 4,800
+  GB/s, 80 / 141 GB; NVLink 900 GB/s both ways per GPU through NVSwitch, so any group of
+  one node's GPUs gets busbw 450 GB/s, whichever mesh axes it spans (`Chip.switched`).
+  XLA GPU's `cost_analysis()` counts no flops or bytes for the cuBLAS GEMM custom calls
+  that do its matrix work; the judge adds them from the HLO (every trip).
 * Bounds: no_overlap_s = compute_s + collectives_s, overlapped_s = their max.  Peak
-  memory: `memory_analysis().peak_memory_in_bytes` (TPU reports temp_size 0).
+  memory: `memory_analysis().peak_memory_in_bytes` (TPU reports temp_size 0); where a
+  platform reports none, arguments + outputs + temporaries - aliased.
   Conditionals count every branch (an upper bound).
 """
 from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict, namedtuple
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import jax
 import numpy as np
+
+from benchmarks.judge_hlo import (_COLLECTIVES, _Comp, _Inst, _arrays, _body_bytes,  # noqa: F401
+                                  _dot_flops, _multiplicities, _nbytes, _parse_module,
+                                  library_work)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class Chip:
     latency: float
     source: str
     hbm_bytes: int = 0
+    switched: bool = False  # NVSwitch: every group gets ici_axis_bandwidth, whatever its axes
 
 
 _DOCS = "Google Cloud TPU docs, cloud.google.com/tpu/docs/"
@@ -78,6 +90,11 @@ CHIPS: dict[str, Chip] = {
     "v4": Chip("v4", 275e12, 1200e9, 2 * 45e9, 1e-6,
                _DOCS + "v4; ICI: jax-ml.github.io/scaling-book/tpus", 32 * 2**30),
 }
+# NVIDIA datasheets (H100 SXM, H200 SXM): 989 TFLOP/s dense bf16; NVLink 900 GB/s both ways
+# a GPU through NVSwitch, so a collective's busbw is at most 450 GB/s over any group of one node.
+_NVIDIA = "NVIDIA H100 / H200 Tensor Core GPU datasheets (SXM), nvidia.com"
+CHIPS["h100"] = Chip("h100", 989e12, 3350e9, 450e9, 1e-6, _NVIDIA, 80 * 10**9, True)
+CHIPS["h200"] = Chip("h200", 989e12, 4800e9, 450e9, 1e-6, _NVIDIA, 141 * 10**9, True)
 _KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
           "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU v4": "v4"}
 
@@ -136,279 +153,6 @@ class Judged:
         return d
 
 
-# One HLO instruction (args: raw text inside its operand parentheses) and one computation.
-_Inst = namedtuple("_Inst", "name shape op args operands attrs")
-_Comp = namedtuple("_Comp", "name insts root")
-_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")
-_INST = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": .5}
-
-
-def _arrays(shape: str) -> list[tuple[float, tuple[int, ...]]]:
-    """(bytes per element, dims) of every array in a (tuple) shape."""
-    return [(_BYTES.get(t, 1 if t.startswith("f8") else 0),
-             tuple(int(d) for d in s.split(",") if d))
-            for t, s in re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", shape)]
-
-
-def _nbytes(shape: str) -> float:
-    """Bytes of the non-scalar arrays of a shape (scalars are counters and contexts)."""
-    return sum(b * math.prod(d) for b, d in _arrays(shape) if d)
-
-
-def _close(text: str, start: int) -> int:
-    """Index of the parenthesis closing the one opened at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
-    return len(text)
-
-
-def _parse_inst(line: str) -> _Inst | None:
-    """`[ROOT] %name = shape opcode(operands), attributes`; None for other lines."""
-    m = _INST.match(line)
-    rest = m.group(3) if m else ""
-    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
-    shape, tail = rest[:end], rest[end:].lstrip()
-    op = re.match(r"([\w\-]+)\(", tail)
-    if not m or not op:
-        return None
-    close = _close(tail, op.end() - 1)
-    args = tail[op.end():close]
-    return _Inst(m.group(2), shape, op.group(1), args, re.findall(r"%([\w.\-]+)", args),
-                 tail[close + 1:])
-
-
-def _parse_module(text: str) -> tuple[dict[str, _Comp], str]:
-    """Computations in text order (callees print before callers) and the entry's name."""
-    comps, entry, cur = {}, "", None
-    for line in text.splitlines():
-        head = _HEAD.match(line)
-        if head and cur is None:
-            cur, entry = [head.group(2), {}, ""], head.group(2) if head.group(1) else entry
-        elif cur is not None and line.startswith("}"):
-            comps[cur[0]], cur = _Comp(*cur), None
-        elif cur is not None and (inst := _parse_inst(line)):
-            cur[1][inst.name] = inst
-            cur[2] = inst.name if line.lstrip().startswith("ROOT") else cur[2]
-    return comps, entry
-
-
-def _constant(comp: _Comp | None, name: str) -> int | None:
-    """The integer a value holds when it is a constant, seen through copies."""
-    inst = comp.insts.get(name) if comp else None
-    while inst is not None and inst.op in ("copy", "convert", "bitcast") and inst.operands:
-        inst = comp.insts.get(inst.operands[0])
-    ok = inst is not None and inst.op == "constant" and re.fullmatch(r"-?\d+", inst.args.strip())
-    return int(inst.args) if ok else None
-
-
-def _trip_count(loop: _Inst, caller: _Comp, comps: dict[str, _Comp]) -> int:
-    """Trips of a while: known_trip_count, else the counter's init, step and limit."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
-    if known:
-        return int(known.group(1))
-    cond = comps.get((re.search(r"condition=%?([\w.\-]+)", loop.attrs) or [0, ""])[1])
-    body = comps.get((re.search(r"body=%?([\w.\-]+)", loop.attrs) or [0, ""])[1])
-    root = cond.insts.get(cond.root) if cond else None
-    if root is None or body is None or root.op != "compare" or len(root.operands) != 2:
-        return 1
-    way = (re.search(r"direction=(\w+)", root.attrs) or [0, ""])[1]
-    a, b = root.operands
-    if _constant(cond, a) is not None:        # constant on the left: mirror the compare
-        a, b, way = b, a, {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}.get(way, way)
-    counter, limit = cond.insts.get(a), _constant(cond, b)
-    if counter is None or counter.op != "get-tuple-element" or limit is None:
-        return 1
-    i = int(re.search(r"index=(\d+)", counter.attrs).group(1))
-    init_tuple = caller.insts.get(loop.operands[0]) if loop.operands else None
-    init = init_tuple and init_tuple.op == "tuple" and _constant(caller, init_tuple.operands[i])
-    init, step = init or 0, 1
-    update = body.insts.get(body.root)
-    update = body.insts.get(update.operands[i]) if update and update.op == "tuple" else None
-    if update is not None and update.op in ("add", "subtract"):
-        step = next((c for c in (_constant(body, o) for o in update.operands) if c), 1)
-        step = -step if update.op == "subtract" else step
-    span = limit - init if step > 0 else init - limit
-    inclusive = {"LT": False, "NE": False, "GT": False, "LE": True, "GE": True}.get(way)
-    if inclusive is None or (step > 0) != (way in ("LT", "NE", "LE")):
-        return 1
-    return max(0, span // abs(step) + 1 if inclusive else -(-span // abs(step)))
-
-
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-                    r"=%?([\w.\-]+)|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-
-
-def _multiplicities(comps: dict[str, _Comp], entry: str, trips: bool
-                    ) -> tuple[dict[str, int], set[str]]:
-    """Runs of every computation per step (with loop trips or without), and the ones that
-    run as scheduled code (entry, loop bodies, branches, calls) rather than in a fusion."""
-    mult, top = defaultdict(int, {entry: 1}), {entry}
-    for comp in reversed(list(comps.values())):     # callers print after their callees
-        for inst in comp.insts.values():
-            if inst.op.endswith(("-done", "-update")):    # async partners repeat calls=
-                continue
-            names = [n for one, many in _CALLS.findall(inst.attrs)
-                     for n in ([one] if one else re.findall(r"%?([\w.\-]+)", many))]
-            runs = _trip_count(inst, comp, comps) if trips and inst.op == "while" else 1
-            for name in names:
-                mult[name] += mult[comp.name] * runs
-                if comp.name in top and inst.op in ("while", "conditional", "call"):
-                    top.add(name)
-    return mult, top
-
-
-def _dot_flops(comp: _Comp) -> float:
-    """2 x output elements x contracted size, summed over dots and convolutions."""
-    total = 0.0
-    for inst in (i for i in comp.insts.values() if i.op in ("dot", "convolution")):
-        lhs, rhs = (_arrays(comp.insts[o].shape)[0][1] if o in comp.insts else ()
-                    for o in (inst.operands + ["", ""])[:2])
-        if not lhs or not rhs:
-            continue
-        if inst.op == "dot":
-            dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.attrs)
-            k = math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d) if dims else 1
-            total += 2.0 * math.prod(_arrays(inst.shape)[0][1]) * k
-        else:
-            total += _conv_flops(inst.attrs, lhs, rhs, _arrays(inst.shape)[0][1])
-    return total
-
-
-def _conv_flops(attrs: str, lhs: tuple[int, ...], rhs: tuple[int, ...],
-                out: tuple[int, ...]) -> float:
-    """2 x multiply-adds of a convolution that touch real input: per output position and
-    kernel tap, only where the tap lands on an input element rather than on padding or a
-    hole of lhs dilation. The TPU compiler writes dots as convolutions with a window over
-    padding (`size=1x32 pad=0_0x31_31`), where a tap count that ignores padding reads 32x
-    the work."""
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attrs)
-    if not labels:
-        return 2.0 * math.prod(out) * math.prod(rhs)
-    lhs_l, rhs_l, out_l = labels.groups()
-    spatial = sorted(c for c in rhs_l if c.isdigit())
-    window = _window(attrs, len(spatial))
-    valid = 1
-    for d, c in enumerate(spatial):
-        size, stride, (lo, _), lhs_dil, rhs_dil = (window[key][d] for key in
-                                                   ("size", "stride", "pad", "lhs_dilate",
-                                                    "rhs_dilate"))
-        n, m = lhs[lhs_l.index(c)], out[out_l.index(c)]
-        extent = (n - 1) * lhs_dil + 1
-        pos = (np.arange(m)[:, None] * stride + np.arange(size)[None, :] * rhs_dil - lo)
-        valid *= int(np.count_nonzero((pos >= 0) & (pos < extent) & (pos % lhs_dil == 0)))
-    out_rest = math.prod(out[k] for k, c in enumerate(out_l) if not c.isdigit())
-    return 2.0 * out_rest * rhs[rhs_l.index("i")] * valid
-
-
-def _window(attrs: str, rank: int) -> dict[str, list]:
-    """A convolution's window attributes per spatial dimension, with XLA's defaults."""
-    found = re.search(r"window=\{([^}]*)\}", attrs)
-    fields = dict(kv.split("=") for kv in found.group(1).split()) if found else {}
-
-    def ints(key: str, default: int) -> list[int]:
-        return [int(v) for v in fields[key].split("x")] if key in fields else [default] * rank
-
-    pads = ([tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
-            if "pad" in fields else [(0, 0)] * rank)
-    return {"size": ints("size", 1), "stride": ints("stride", 1), "pad": pads,
-            "lhs_dilate": ints("lhs_dilate", 1), "rhs_dilate": ints("rhs_dilate", 1)}
-
-
-_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while",
-               "call", "conditional", "after-all", "partition-id", "replica-id"}
-
-
-def _body_bytes(comp: _Comp, comps: dict[str, _Comp]) -> float:
-    """HBM traffic estimate of scheduled code: operands plus results of its ops, where a
-    loop-carried stack is touched only in the slice a dynamic-slice reads or a
-    dynamic-update-slice writes in place (as XLA's own cost analysis counts them)."""
-    total = 0.0
-    for inst in comp.insts.values():
-        if inst.op in _NO_TRAFFIC or inst.op in _COLLECTIVES or inst.op.endswith("-done"):
-            continue
-        callee = _fused(inst, comps)
-        total += _written(callee, callee.root, comps) if callee else _inst_written(comp, inst)
-        for k, o in enumerate(inst.operands):
-            if o not in comp.insts:
-                continue
-            if callee:
-                total += _read(callee, _parameter(callee, k), comps)
-            else:
-                total += _operand_read(comp, inst, k, _nbytes(comp.insts[o].shape))
-    return total
-
-
-def _fused(inst: _Inst, comps: dict[str, _Comp]) -> _Comp | None:
-    """The computation a fusion (or another op with `calls=`) runs, if any."""
-    return comps.get((re.search(r"calls=%?([\w.\-]+)", inst.attrs) or [0, ""])[1])
-
-
-def _parameter(comp: _Comp, k: int) -> str:
-    return next((i.name for i in comp.insts.values()
-                 if i.op == "parameter" and i.args.strip() == str(k)), "")
-
-
-def _operand_read(comp: _Comp, inst: _Inst, k: int, full: float) -> float:
-    """Bytes `inst` reads of its k-th operand: a slice's worth of a sliced stack, none of
-    the stack a dynamic-update-slice writes into in place."""
-    if k == 0 and inst.op == "dynamic-slice":
-        return _nbytes(inst.shape)
-    if k == 0 and inst.op == "dynamic-update-slice":
-        return 0.0
-    return full
-
-
-def _inst_written(comp: _Comp, inst: _Inst) -> float:
-    """Bytes `inst` writes: a dynamic-update-slice its update (in place), others their result."""
-    if inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
-        update = comp.insts.get(inst.operands[1])
-        return _nbytes(update.shape) if update else 0.0
-    return _nbytes(inst.shape)
-
-
-def _read(comp: _Comp, name: str, comps: dict[str, _Comp]) -> float:
-    """Bytes a fused computation reads of its value `name`, through bitcasts and nested
-    fusions; the whole value unless only slices of it are read or written."""
-    inst = comp.insts.get(name)
-    if inst is None:
-        return 0.0
-    full, total = _nbytes(inst.shape), 0.0
-    users = [u for u in comp.insts.values() if name in u.operands]
-    for user in users:
-        callee = _fused(user, comps)
-        for k in (k for k, o in enumerate(user.operands) if o == name):
-            if user.op == "bitcast":
-                total += _read(comp, user.name, comps)
-            elif user.op == "fusion" and callee:
-                total += _read(callee, _parameter(callee, k), comps)
-            elif user.op in ("dynamic-slice", "dynamic-update-slice") and k == 0:
-                total += _operand_read(comp, user, k, full)
-            else:
-                return full
-    return min(total, full) if users else 0.0
-
-
-def _written(comp: _Comp, name: str, comps: dict[str, _Comp]) -> float:
-    """Bytes a fused computation writes for its value `name`: the update of an in-place
-    dynamic-update-slice, each element of a tuple, else the whole value."""
-    inst = comp.insts.get(name)
-    if inst is None:
-        return 0.0
-    if inst.op == "tuple":
-        return sum(_written(comp, o, comps) for o in inst.operands)
-    if inst.op == "bitcast" and inst.operands:
-        return min(_written(comp, inst.operands[0], comps), _nbytes(inst.shape))
-    return _inst_written(comp, inst)
-
-
-_COLLECTIVES = {op: kind for kind in ("all-reduce", "all-gather", "reduce-scatter",
-                                      "all-to-all", "collective-permute")
-                for op in (kind, kind + "-start")} | {"ragged-all-to-all": "all-to-all"}
 _FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "collective-permute": lambda n: 1.0}
 _STEPS = {"all-reduce": lambda n: 2 * (n - 1), "collective-permute": lambda n: 1}
 
@@ -515,14 +259,17 @@ def _collectives(comps: dict[str, _Comp], mult: dict[str, int], mesh: jax.shardi
         if n > 1 and axes:
             factor = _FACTOR.get(kind, lambda k: (k - 1) / k)(n)
             steps = _STEPS.get(kind, lambda k: k - 1)(n)
-            once = size * factor / (chip.ici_axis_bandwidth * len(axes)) + steps * chip.latency
+            busbw = chip.ici_axis_bandwidth * (1 if chip.switched else len(axes))
+            once = size * factor / busbw + steps * chip.latency
         out.append(Collective(kind, size, axes, n, runs, once * runs))
     return tuple(out)
 
 
 def _chip(chip: str | Chip | None, mesh: jax.sharding.Mesh) -> Chip:
     """The Chip given, named, or matching the mesh devices' device_kind."""
-    name = _KINDS.get(mesh.devices.flat[0].device_kind) if chip is None else chip
+    kind = mesh.devices.flat[0].device_kind
+    gpu = next((g for g in ("h100", "h200") if g in kind.lower()), None)
+    name = _KINDS.get(kind, gpu) if chip is None else chip
     if isinstance(name, Chip):
         return name
     if name not in CHIPS:
@@ -551,8 +298,18 @@ def judge(compiled, mesh: jax.sharding.Mesh, chip: str | Chip | None = None) -> 
         extra = mult.get(name, 0) - once.get(name, 0)
         flops += extra * _dot_flops(comp) if extra > 0 else 0.0
         nbytes += extra * _body_bytes(comp, comps) if extra > 0 and name in top else 0.0
+        if mult.get(name) and "custom-call" in {i.op for i in comp.insts.values()}:
+            gemm_flops, gemm_bytes = library_work(comp)   # counted in no trip (XLA GPU)
+            flops += mult[name] * gemm_flops
+            nbytes += once.get(name, 0) * gemm_bytes     # later trips: in _body_bytes
     compute = max(flops * cores / spec.flops, nbytes * cores / spec.hbm_bandwidth)
     colls = _collectives(comps, mult, mesh, spec)
     comm = sum(c.seconds for c in colls)
     return Judged(spec, flops, nbytes, compute, comm, compute + comm, max(compute, comm),
-                  int(compiled.memory_analysis().peak_memory_in_bytes), colls)
+                  _peak(compiled.memory_analysis()), colls)
+
+
+def _peak(stats) -> int:
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    return peak or int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                       + stats.temp_size_in_bytes - stats.alias_size_in_bytes)

@@ -36,15 +36,16 @@ SPLITS = (1, 2, 4, 8, 16)  # our meshes: (N,), (N/2, 2), ... as the experts' swe
 
 
 def run(cases: dict[str, tuple], memory_matched: bool = False,
-        log: Callable[[str], None] = print, experts_from: dict[str, Any] | None = None
-        ) -> dict[str, Any]:
+        log: Callable[[str], None] = print, experts_from: dict[str, Any] | None = None,
+        devices_for: Callable[[str], list] = tpu_experts.tpu_devices) -> dict[str, Any]:
     """Every case's rows (see the module). `experts_from`: an earlier result whose expert rows
     are kept for its cases (the experts' programs do not depend on autopar), so that only
-    ours is planned and compiled again."""
+    ours is planned and compiled again. `devices_for`: a case's topology -> its devices
+    (compile-only TPU devices by default; `gpu_suite` gives one node's GPUs)."""
     out: dict[str, Any] = {"cases": {}}
     for name, (model, batch, seq, overrides, topology) in cases.items():
         work = tpu_models.setup(model, batch=batch, seq=seq or 2048, **overrides)
-        devices = tpu_experts.tpu_devices(topology)
+        devices = devices_for(topology)
         earlier = (experts_from or {}).get("cases", {}).get(name)
         if earlier is not None:
             rows = [r for r in earlier["rows"] if r["program"].startswith("expert")]
@@ -158,10 +159,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 def _chip_note(rows: list[dict[str, Any]]) -> str:
     chip = CHIPS.get(next((r["chip"] for r in rows if "chip" in r), ""))
+    link = ("busbw over NVSwitch, any group" if chip and chip.switched
+            else "ICI per mesh axis")
     return "" if chip is None else (
         f"judged per chip: {chip.name} {chip.flops / 1e12:.0f} TFLOP/s, "
         f"{chip.hbm_bandwidth / 1e9:,.0f} GB/s HBM, {chip.ici_axis_bandwidth / 1e9:.0f} GB/s "
-        "ICI per mesh axis")
+        f"{link}")
 
 
 def _versus(rows: list[dict[str, Any]]) -> str:
