@@ -34,6 +34,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 
+if os.environ.get("JAX_MOCK_GPU_TOPOLOGY"):  # the gpu suite's mock node (gpu_suite.py)
+    jax.config.update("jax_mock_gpu_topology", os.environ["JAX_MOCK_GPU_TOPOLOGY"])
+    jax.config.update("jax_cuda_visible_devices", os.environ.get("JAX_CUDA_VISIBLE_DEVICES", "0"))
+
 from benchmarks import (accumulation, device, fidelity, memory, pipeline,  # noqa: E402
                         gpu_suite, planning, propagation, quality, quality_report,
                         tpu_suite)
