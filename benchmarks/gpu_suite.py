@@ -10,10 +10,14 @@ over NVSwitch (busbw 450 GB/s for any group of the node's GPUs).
 
 Run where a GPU is at hand, the mock set before JAX starts its GPU backend:
 
-    JAX_MOCK_GPU_TOPOLOGY=1x8x1 JAX_CUDA_VISIBLE_DEVICES=0 python -m benchmarks --suites gpu
+    JAX_MOCK_GPU_TOPOLOGY=1x8x1 XLA_FLAGS=--xla_gpu_autotune_level=0 \
+        python -m benchmarks --suites gpu
 
-XLA's GEMM autotuning may be switched off (`XLA_FLAGS=--xla_gpu_autotune_level=0`) to compile
-faster: it chooses cuBLAS algorithms, not the program's shardings, collectives or buffers.
+with XLA's GEMM autotuning switched off (`XLA_FLAGS=--xla_gpu_autotune_level=0`): with it on,
+ours for Llama-2-7B did not compile in 400 s, every GEMM's kernels timed on the one real GPU.
+Autotuning picks kernels, not shardings or collectives, but a dot it gives cuBLAS rather than
+a Triton fusion has its producers written, so peaks may differ from a default compile's
+(docs/decisions.md, "One node of 8 GPUs, compiled by XLA GPU").
 """
 from __future__ import annotations
 
