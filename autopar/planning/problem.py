@@ -221,7 +221,8 @@ def main_operand(rule: Rule, op: Op, graph: OpGraph) -> int | None:
 def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
                   pinned: dict[int, Spec] | None = None, extend: Extension | None = None,
                   tie_layers: bool = True, units: list[Unit] | None = None,
-                  narrow: bool = False, memo: dict | None = None) -> Problem:
+                  narrow: bool = False, memo: dict | None = None,
+                  edges: bool = True) -> Problem:
     """The CostGraph of `graph` on `mesh` under the cost model of `hw`.
 
     `pinned` fixes the sharding of tensors by id (inputs, and results of `autopar.shard`): the
@@ -237,6 +238,10 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
     `memo` (a dict kept for one graph, as solve's `problems` is) keeps the operators' costs
     and the resharding tables for the next build of the graph on the same mesh: the narrow
     space, the tied and untied problems and every round of the recursion share most of them.
+    `edges` False leaves out the edges (the resharding between nodes, the collective of a
+    second summand its first is not summed alike with) and resharding inside a node: a
+    relaxation, each plan's cost in it at most its cost in the whole problem, and quick to
+    build where pricing the edges' spec pairs is not (its node minima bound the optimum).
     The problem is unpriced: `Problem.priced` charges the memory it keeps.
     """
     units = make_units(graph) if units is None else units
@@ -256,12 +261,13 @@ def build_problem(graph: OpGraph, mesh: MeshShape, hw: Hardware,
             seconds = unit_costs(unit, choices[u], graph, mesh, hw, op_costs)
             node_costs[node_of[u]] += seconds if times[u] == 1 else times[u] * seconds
 
-    edges = resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs,
-                             times)
-    edges += summed_edges(graph, units, producer, node_of, choices, mesh, hw, op_costs,
+    found = (resharding_edges(graph, units, producer, node_of, choices, reshard, node_costs,
+                              times) if edges else [])
+    # summed edges take their collective out of the node's cost: that part is kept alone
+    found += summed_edges(graph, units, producer, node_of, choices, mesh, hw, op_costs,
                           node_costs)
     names = tuple(units[r].name for r in roots)
-    cost_graph = search.CostGraph(tuple(node_costs), tuple(edges), names)
+    cost_graph = search.CostGraph(tuple(node_costs), tuple(found) if edges else (), names)
     return Problem(cost_graph, units, node_of, choices, producer, roots, times)
 
 
