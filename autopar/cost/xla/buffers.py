@@ -3,11 +3,14 @@ show, behind one seam (`BufferModel`) that the memory estimate (autopar.cost.mem
 
 - `cpu`: XLA's CPU compiler, rule by rule as read from its dumps and checked against compiled
   steps (tests/test_memory.py; docs/decisions.md has the measurements).
-- `conservative`: for platforms without a calibrated model (GPU and TPU, until their rules are
-  measured on the hardware). Nothing fuses, nothing is placed in freed allocations, steps run
-  in program order, every collective's result is a buffer and every donated input with another
-  reader is copied: an estimate above what a fusing compiler needs. A plan whose memory limit
-  rests on it is compiled to check wherever a compiler is at hand (autopar.api).
+- `xla-tpu` and `xla-gpu`: the TPU compiler, and XLA's GPU compiler, from rules read in
+  their dumps and checked against their compiled peaks (tpu.py, gpu.py); not calibrated.
+- `conservative`: for platforms without a model of their own. Nothing fuses, nothing is placed
+  in freed allocations, steps run in program order, every collective's result is a buffer and
+  every donated input with another reader is copied: an estimate above what a fusing compiler
+  needs.
+A plan whose memory limit rests on a model not calibrated is compiled to check wherever a
+compiler is at hand (autopar.api).
 """
 from __future__ import annotations
 
