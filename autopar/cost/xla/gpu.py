@@ -86,8 +86,9 @@ class GpuBuffers(TpuBuffers):
     is the TPU compiler's (a loop body's buffers reused, its weight-gradient dots run last, a
     stacked input converted once), the values it writes are XLA CPU's (a chain is written
     where a dot reads it: cuBLAS takes no fused operand), nothing more is written in loop
-    bodies, and times charge an ideal fuser's traffic, as the conservative model's do (so a
-    GPU plan's time is what it was before this model; its memory is not).
+    bodies, steps run in program order (XLA CPU's schedule read the same estimates here, for
+    more planning time), and times charge an ideal fuser's traffic, as the conservative
+    model's do (so a GPU plan's time is what it was before this model; its memory is not).
 
     Read against XLA GPU's compiled peaks (jax 0.11.2 on an H200; docs/decisions.md, "One
     node of 8 GPUs, compiled by XLA GPU"): the gpu suite's three plans 0.935 to 1.015x, the
@@ -104,6 +105,10 @@ class GpuBuffers(TpuBuffers):
     def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
                      ) -> tuple[frozenset[int], frozenset[int]]:
         return frozenset(), frozenset()
+
+    @staticmethod
+    def schedule(graph: OpGraph, groups: list[list[int]], tail: int) -> list[int] | None:
+        return None
 
 
 GPU = GpuBuffers()
