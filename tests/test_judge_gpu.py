@@ -65,3 +65,12 @@ def test_the_gpus_are_known_by_their_device_kind():
 
     assert J._chip(None, FakeMesh()).name == "h200"
     assert J.CHIPS["h100"].switched and not J.CHIPS["v5p"].switched
+
+
+def test_the_gpu_suite_says_how_to_start_it_where_there_is_no_gpu_node():
+    """On this machine's CPU devices the gpu suite stops at once, saying what it needs."""
+    import pytest
+
+    from benchmarks.gpu_suite import node_devices
+    with pytest.raises(SystemExit, match="JAX_MOCK_GPU_TOPOLOGY=1x8x1"):
+        node_devices("1x8x1")
