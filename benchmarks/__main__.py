@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="quality and fidelity suites: timed steps of the small models")
     parser.add_argument("--experts-from", default=None,
-                        help="tpu suite: a tpu.json whose expert rows are kept (only ours is "
+                        help="tpu and gpu suites: a tpu.json or gpu.json whose expert rows are kept (only ours is "
                         "planned and compiled again)")
     parser.add_argument("--hlo-dir", default=None,
                         help="device suite: write each program compiled for the chip here")
@@ -179,7 +179,12 @@ def main() -> None:
             names = [m for m in args.models or () if m in gpu_suite.CASES] or list(
                 gpu_suite.CASES)
             print(f"gpu benchmark: cases {names}", flush=True)
-            result = gpu_suite.run({n: gpu_suite.CASES[n] for n in names}, log=log)
+            kept = None
+            if args.experts_from:
+                with open(args.experts_from) as f:
+                    kept = json.load(f)
+            result = gpu_suite.run({n: gpu_suite.CASES[n] for n in names}, log=log,
+                                   experts_from=kept)
             table = gpu_suite.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
