@@ -117,8 +117,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="quality and fidelity suites: timed steps of the small models")
     parser.add_argument("--experts-from", default=None,
-                        help="tpu and gpu suites: a tpu.json or gpu.json whose expert rows are kept (only ours is "
-                        "planned and compiled again)")
+                        help="tpu and gpu suites: a tpu.json or gpu.json whose expert rows "
+                        "are kept (only ours is planned and compiled again)")
     parser.add_argument("--hlo-dir", default=None,
                         help="device suite: write each program compiled for the chip here")
     args = parser.parse_args()

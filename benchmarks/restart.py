@@ -120,5 +120,6 @@ def markdown(rows: dict[str, Any]) -> str:
               f"- warm restart, autopar over jax.jit in its layout: "
               f"{warm['first_call_s'] / jit_warm['first_call_s']:.2f}x (with `.plan` asked "
               "before the call: "
-              f"{rows['autopar warm, .plan first']['first_call_s'] / jit_warm['first_call_s']:.2f}x)"]
+              f"{rows['autopar warm, .plan first']['first_call_s'] / jit_warm['first_call_s']:.2f}"
+              "x)"]
     return "\n".join(lines)
