@@ -45,8 +45,9 @@ fairly.  The HLO is read by `benchmarks/judge_hlo.py`.  Choices and sources:
 * GPUs (NVIDIA datasheets, SXM): H100 and H200 989 TFLOP/s dense bf16, HBM 3,350 / 4,800
   GB/s, 80 / 141 GB; NVLink 900 GB/s both ways per GPU through NVSwitch, so any group of
   one node's GPUs gets busbw 450 GB/s, whichever mesh axes it spans (`Chip.switched`).
-  XLA GPU's `cost_analysis()` counts no flops or bytes for the cuBLAS GEMM custom calls
-  that do its matrix work; the judge adds them from the HLO (every trip).
+  XLA GPU's `cost_analysis()` counts no flops or bytes for the cuBLAS GEMM and cuDNN
+  convolution custom calls that do its matrix work; the judge adds them from the HLO (every
+  trip).
 * Bounds: no_overlap_s = compute_s + collectives_s, overlapped_s = their max.  Peak
   memory: `memory_analysis().peak_memory_in_bytes` (TPU reports temp_size 0); where a
   platform reports none, arguments + outputs + temporaries - aliased.

@@ -264,23 +264,38 @@ def _arrays_text(shape: str) -> list[str]:
     return re.findall(r"[a-z][a-z0-9]*\[[0-9,]*\]", shape)
 
 
+# cuDNN's convolution calls: where the forward output and the filter are ("out": the result).
+_CUDNN = re.compile(r'custom_call_target="__cudnn\$(\w+)"')
+_CONVOLUTIONS = {"convForward": ("out", 1), "convBiasActivationForward": ("out", 1),
+                 "convBackwardInput": (0, 1), "convBackwardFilter": (1, "out")}
+_FILTER_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+
+
 def library_work(comp: _Comp) -> tuple[float, float]:
-    """(flops, bytes) of one run of a computation's cuBLAS GEMM calls, which XLA GPU's
-    `cost_analysis()` counts as neither (seen with jax 0.11.2 on an H200): 2 x output
-    elements x contraction length, the operands read and the output written. cuDNN
-    convolutions are not read (none of the GPU suite's models has one)."""
+    """(flops, bytes) of one run of a computation's cuBLAS GEMM and cuDNN convolution calls,
+    which XLA GPU's `cost_analysis()` counts as neither (seen with jax 0.11.2 on an H200):
+    a GEMM 2 x output elements x contraction length; a convolution, forward or either
+    backward, 2 x the forward output's elements x the filter's elements per output feature
+    (every tap, padding included); the operands read and the output written."""
     flops = nbytes = 0.0
     for inst in comp.insts.values():
-        if inst.op != "custom-call" or not _GEMM.search(inst.attrs):
+        if inst.op != "custom-call":
             continue
-        lhs = comp.insts.get(inst.operands[0]) if inst.operands else None
-        dims = _CONTRACTING.search(inst.attrs)
-        if lhs is None or not dims:
+        shapes = [_arrays(comp.insts[o].shape)[0][1] if o in comp.insts else ()
+                  for o in inst.operands]
+        out = _arrays(inst.shape)[0][1] if _arrays(inst.shape) else ()
+        dims, conv = _CONTRACTING.search(inst.attrs), _CUDNN.search(inst.attrs)
+        if _GEMM.search(inst.attrs) and dims and shapes and shapes[0]:
+            k = math.prod(shapes[0][int(d)] for d in json.loads(dims.group(1)))
+            flops += 2.0 * math.prod(out) * k
+        elif conv and conv.group(1) in _CONVOLUTIONS and _FILTER_LABELS.search(inst.attrs):
+            at_out, at_filter = _CONVOLUTIONS[conv.group(1)]
+            forward = out if at_out == "out" else shapes[at_out]
+            kernel = out if at_filter == "out" else shapes[at_filter]
+            features = kernel[_FILTER_LABELS.search(inst.attrs).group(1).index("o")]
+            flops += 2.0 * math.prod(forward) * math.prod(kernel) / features
+        else:
             continue
-        lhs_dims = _arrays(lhs.shape)[0][1]
-        out = _arrays(inst.shape)[0][1]
-        k = math.prod(lhs_dims[int(d)] for d in json.loads(dims.group(1)))
-        flops += 2.0 * math.prod(out) * k
         nbytes += _inst_written(comp, inst) + sum(
             _nbytes(comp.insts[o].shape) for o in inst.operands if o in comp.insts)
     return flops, nbytes

@@ -74,3 +74,30 @@ def test_the_gpu_suite_says_how_to_start_it_where_there_is_no_gpu_node():
     from benchmarks.gpu_suite import node_devices
     with pytest.raises(SystemExit, match="JAX_MOCK_GPU_TOPOLOGY=1x8x1"):
         node_devices("1x8x1")
+
+
+CUDNN = """HloModule convs
+
+ENTRY %main (x: f32[8,16,16,4], w: f32[3,3,4,32], dy: f32[8,16,16,32]) -> f32[] {
+  %x = f32[8,16,16,4]{3,2,1,0} parameter(0)
+  %w = f32[3,3,4,32]{3,2,1,0} parameter(1)
+  %dy = f32[8,16,16,32]{3,2,1,0} parameter(2)
+  %fwd = (f32[8,16,16,32]{3,2,1,0}, u8[1024]{0}) custom-call(%x, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
+  %din = (f32[8,16,16,4]{3,2,1,0}, u8[1024]{0}) custom-call(%dy, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %dw = (f32[3,3,4,32]{3,2,1,0}, u8[1024]{0}) custom-call(%x, %dy), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_cudnn_convolutions_count_the_forward_convolutions_work_each():
+    """A 3x3 convolution of 4 into 32 features over an 8 x 16 x 16 batch, forward and both
+    backward calls: each 2 x the forward output's elements x 36 filter taps per feature,
+    as the planner's own reading (written apart) finds too."""
+    comps, entry = H._parse_module(CUDNN)
+    flops, nbytes = H.library_work(comps[entry])
+    each = 2 * (8 * 16 * 16 * 32) * (3 * 3 * 4)
+    assert flops == 3 * each
+    x, w, dy = 8 * 16 * 16 * 4 * 4, 3 * 3 * 4 * 32 * 4, 8 * 16 * 16 * 32 * 4
+    assert nbytes == (x + w + dy) + (dy + w + x) + (x + dy + w)  # workspaces not counted
+    assert flops == planners_reading(CUDNN)[0]
