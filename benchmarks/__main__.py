@@ -164,28 +164,20 @@ def main() -> None:
             result = device.run(args.models and _known(args.models, device.REALISTIC),
                                 args.hardware, log=log, hlo_dir=args.hlo_dir)
             table = device.markdown(result)
-        elif suite == "tpu":
-            cases = tpu_suite.QUICK if args.quick else tpu_suite.CASES
+        elif suite in ("tpu", "gpu"):
+            # the gpu suite is the tpu suite's on a mock GPU node, all of it memory-matched
+            cases = (gpu_suite.CASES if suite == "gpu" else
+                     tpu_suite.QUICK if args.quick else tpu_suite.CASES)
             names = [m for m in args.models or () if m in cases] or list(cases)
-            print(f"tpu benchmark: cases {names}", flush=True)
+            print(f"{suite} benchmark: cases {names}", flush=True)
             kept = None
             if args.experts_from:
                 with open(args.experts_from) as f:
                     kept = json.load(f)
-            result = tpu_suite.run({n: cases[n] for n in _known(names, cases)},
-                                   args.memory_matched, log=log, experts_from=kept)
+            chosen = {n: cases[n] for n in _known(names, cases)}
+            result = (gpu_suite.run(chosen, log=log, experts_from=kept) if suite == "gpu" else
+                      tpu_suite.run(chosen, args.memory_matched, log=log, experts_from=kept))
             table = tpu_suite.markdown(result)
-        elif suite == "gpu":
-            names = [m for m in args.models or () if m in gpu_suite.CASES] or list(
-                gpu_suite.CASES)
-            print(f"gpu benchmark: cases {names}", flush=True)
-            kept = None
-            if args.experts_from:
-                with open(args.experts_from) as f:
-                    kept = json.load(f)
-            result = gpu_suite.run({n: gpu_suite.CASES[n] for n in names}, log=log,
-                                   experts_from=kept)
-            table = gpu_suite.markdown(result)
         elif suite == "pipeline":
             print("pipeline benchmark", flush=True)
             result = {**pipeline.run(log=log), **pipeline.choice(log=log),

@@ -66,5 +66,3 @@ def run(cases: dict[str, tuple], memory_matched: bool = True,
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     return result
 
-
-markdown = tpu_suite.markdown

@@ -138,19 +138,22 @@ def deep_markdown(rows: list[dict[str, Any]]) -> str:
              "| form | layers | total s | JAX trace s | autopar s | searches | ops | "
              "plan ms/step | peak GiB | gap to the bound |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    def form(r: dict[str, Any]) -> str:  # rows measured before the nn.scan form have none
+        return r.get("form", "Python loop")
+
     for r in rows:
         gap = f"{r['gap']:.2%}" if r["gap"] is not None else "none"
-        lines.append(f"| {r.get('form', 'Python loop')} | {r['layers']} | {r['total_s']:.1f} | "
+        lines.append(f"| {form(r)} | {r['layers']} | {r['total_s']:.1f} | "
                      f"{r['jax_trace_s']:.1f} | {own_s(r):.1f} | {r['searches']} | {r['ops']} | "
                      f"{r['plan_ms']:.1f} | {r['peak_gib']:.1f} | {gap} |")
     lines.append("")
-    for form in dict.fromkeys(r.get("form", "Python loop") for r in rows):
-        same = [r for r in rows if r.get("form", "Python loop") == form]
+    for kind in dict.fromkeys(map(form, rows)):
+        same = [r for r in rows if form(r) == kind]
         if len(same) < 2:
             continue
         shallow, deep = same[0], same[-1]
         lines.append(
-            f"- {form}: {deep['layers']} layers over {shallow['layers']}: total "
+            f"- {kind}: {deep['layers']} layers over {shallow['layers']}: total "
             f"{deep['total_s'] / shallow['total_s']:.2f}x (target 3x), JAX's trace "
             f"{deep['jax_trace_s'] / shallow['jax_trace_s']:.2f}x, autopar's own "
             f"{own_s(deep) / own_s(shallow):.2f}x; {deep['layers']} layers within 10 s: "

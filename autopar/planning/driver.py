@@ -28,9 +28,10 @@ from autopar.planning.assemble import (Candidate, assemble, pipeline_detail, tal
                                       written_up)
 from autopar.planning.budget import plan_within
 from autopar.planning.pins import Annotations, resolve as resolve_annotations
+from autopar.planning.plan_bound import with_dual_bound
 from autopar.planning.pricing import Unit
 from autopar.planning.problem import make_units
-from autopar.planning.solve import Solved, exactness, solve, with_dual_bound
+from autopar.planning.solve import Solved, exactness, solve
 from autopar.primitives.stack_read import reading_stored
 from autopar.rewrite.accumulate import step_of
 from autopar.rules.factors import Spec

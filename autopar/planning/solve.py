@@ -15,8 +15,9 @@ from autopar.decisions import Decisions
 from autopar.errors import AutoparError
 from autopar.mesh import MeshShape
 from autopar.plan_stats import SearchStats
-from autopar.planning.axes import (adjacent_pairs, axis_order, merged_within, paired_within,
+from autopar.planning.axes import (adjacent_pairs, merged_within, paired_within,
                                    rounds_within, solve_recursive)
+from autopar.planning.plan_bound import DUAL_SWEEPS, DUAL_WORK
 from autopar.planning.pricing import Unit
 from autopar.planning.problem import (Problem, build_problem, kept_problem, make_units,
                                       untied_node_count)
@@ -42,25 +43,10 @@ PROOF_GAP = 1e-3
 # one, so that `exact` holds for the step as written; above it, the search keeps the period-2
 # ties of repeated layers (docs/decisions.md, "Repeated layers tie two apart").
 UNTIED_NODE_LIMIT = 400
-# The dual bound (search.dual_bound) of a chosen plan no search proved: at most this many
-# sweeps and table entries of work (about 0.25 to 0.5 s here for a step's 192 nodes), from
-# where the last bound of the same problem stopped (a plan made again at a smaller memory
-# estimate). Counted in work, not seconds, so that a plan's bound is the same on every
-# machine. Its bound rises fast, then
-# slowly: 12-layer GPTs at d_model 2048 (h100) on 64 devices converge within 0.36% of the
-# plan; on 1,024 they are within 12% after 30 sweeps and 4.6% after 400, where mini-buckets
-# stay 77% away.
-DUAL_SWEEPS = 60
-DUAL_WORK = 2e8
 # The distance above the bounded search's bound (relative) beyond which a plan is looked for
 # in the dual's shortlists too (_shortlisted_by_dual): nearer, there is little to find, and a
 # memory-limited Llama-3-8B in a Python loop on 8x4x8 spent 3.5 s of 38 there.
 SHORTLIST_GAP = 1e-3
-# Mesh axes (of more than one device) up to which recursive_programming builds the whole
-# space's problem for its dual bound. With three, building it outweighs the search: Llama-3-8B
-# (nn.scan) on 8x4x8 planned in 0.7 s without the bound and 6.0 s with it; on 16x16, 0.7 s
-# with it. Above, the bound is the operators' own costs alone (_operators_bound).
-RECURSIVE_BOUND_AXES = 2
 
 
 @dataclass(frozen=True)
@@ -146,61 +132,6 @@ def solve(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
     if stats.exact and stats.lower_bound is None:  # exact elimination: the optimum
         stats = dataclasses.replace(stats, lower_bound=float(solution.cost), gap=0.0)
     return Solved(_decisions(problem, solution, graph), stats)
-
-
-def with_dual_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware, algorithm: str,
-                    pinned: dict[int, Spec] | None, units: list[Unit], problems: dict,
-                    stats: SearchStats) -> SearchStats:
-    """`stats` of the plan a planning chose (at its memory price), with the dual bound of the
-    problem its search solved where that is higher than the search's own bound: computed
-    once a plan, not once a memory round. None for a proven answer (exact elimination, a
-    kept-bytes proof), nor for recursive_programming on meshes of more than
-    RECURSIVE_BOUND_AXES axes (said in `bound`). `exact` is claimed at a nil gap without a
-    memory price only."""
-    if stats.exact or stats.kept_budget_bytes is not None:
-        return stats
-    if algorithm == "recursive_programming" and len(axis_order(mesh)) > RECURSIVE_BOUND_AXES:
-        return _operators_bound(graph, mesh, hw, pinned, units, problems, stats)
-    unpriced = problems.get("untied") if algorithm == "dynamic_programming" else None
-    if unpriced is None:
-        unpriced = kept_problem(problems, "full", lambda: build_problem(
-            graph, mesh, hw, pinned, units=units, memo=problems))
-    price = stats.memory_price_s_per_byte or 0.0
-    problem = unpriced.priced(graph, mesh, price)
-    cost = stats.objective_s
-    kept = problems.get("dual")  # where the last bound of these edges stopped
-    edges = problem.graph.edges  # shared by the problem at every price (with_node_costs)
-    start = kept[1] if kept is not None and kept[0] is edges else None
-    bound, dual, reached = search.dual_bound(problem.graph, target=cost, work=DUAL_WORK,
-                                             max_sweeps=DUAL_SWEEPS, start=start)
-    problems["dual"] = (edges, reached)
-    if stats.lower_bound is not None and bound <= stats.lower_bound:
-        return stats.noting(**dual)
-    gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
-    return stats.noting(**dual, lower_bound=bound, gap=gap, bound="dual",
-                        exact=gap <= search.REACHED and not price)
-
-
-def _operators_bound(graph: OpGraph, mesh: MeshShape, hw: Hardware,
-                     pinned: dict[int, Spec] | None, units: list[Unit], problems: dict,
-                     stats: SearchStats) -> SearchStats:
-    """`stats` with the bound of the whole space's problem without its edges: each node's
-    cheapest strategy, at the plan's memory price. A relaxation (every edge costs at least
-    nothing), so a lower bound, but a loose one: it leaves out the resharding between
-    operators that any plan pays somewhere (Llama-3-8B on 8 x 4 x 8: 33%, where the dual
-    bound of dynamic_programming's plan is 9%); built in about 0.3 s where the edges would
-    take seconds."""
-    nodes = kept_problem(problems, "operators alone", lambda: build_problem(
-        graph, mesh, hw, pinned, units=units, memo=problems, edges=False))
-    problem = nodes.priced(graph, mesh, stats.memory_price_s_per_byte or 0.0)
-    bound = float(sum(costs.min() for costs in problem.graph.node_costs))
-    cost = stats.objective_s
-    gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
-    return stats.noting(lower_bound=bound, gap=gap, bound=(
-        f"operators alone: the whole space of {len(axis_order(mesh))} mesh axes without the "
-        "resharding between operators, whose edges are slow to build (dynamic_programming "
-        "bounds it by the dual)"),
-        exact=gap <= search.REACHED and not stats.memory_price_s_per_byte)
 
 
 def _kept_pairs(problem: Problem, problems: dict | None) -> dict:
@@ -359,7 +290,7 @@ def _shortlisted_by_dual(full: Problem, problems: dict | None
                          ) -> tuple[float, dict[str, Any], search.Solution | None]:
     """(the dual bound of `full`, its stats, the plan `search.shortlisted` finds from it).
     Min-sum diffusion starts where the last one on these edges stopped (kept in `problems`,
-    as `with_dual_bound` keeps it, which goes on from here). On a bounded problem its
+    as `plan_bound.with_dual_bound` keeps it, which goes on from here). On a bounded problem its
     shortlist finds plans the restrictions above miss (docs/decisions.md, "Plans from the
     dual")."""
     edges = full.graph.edges

@@ -19,11 +19,9 @@ import re
 
 from autopar.cost.hlo import array_bytes, array_dims, definitions, operand_shape
 from autopar.cost.model import fused_values as ideal_fused_values
-from autopar.cost.xla.cpu import value_buffers as cpu_value_buffers
+from autopar.cost.xla.cpu import CpuBuffers, value_buffers as cpu_value_buffers
+from autopar.cost.xla.generic import ConservativeBuffers
 from autopar.cost.xla.tpu import TpuBuffers
-from autopar.mesh import MeshShape
-from autopar.rules.factors import Spec
-from autopar.trace.ir import OpGraph
 
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
@@ -86,8 +84,8 @@ class GpuBuffers(TpuBuffers):
     is the TPU compiler's (a loop body's buffers reused, its weight-gradient dots run last, a
     stacked input converted once), the values it writes are XLA CPU's (a chain is written
     where a dot reads it: cuBLAS takes no fused operand), nothing more is written in loop
-    bodies, steps run in program order (XLA CPU's schedule read the same estimates here, for
-    more planning time), and times charge an ideal fuser's traffic, as the conservative
+    bodies, steps run in program order (XLA CPU's schedule read estimates within 2% of these,
+    for more planning time), and times charge an ideal fuser's traffic, as the conservative
     model's do (so a GPU plan's time is what it was before this model; its memory is not).
 
     Read against XLA GPU's compiled peaks (jax 0.11.2 on an H200; docs/decisions.md, "One
@@ -100,15 +98,8 @@ class GpuBuffers(TpuBuffers):
     name = "xla-gpu"
     values = staticmethod(cpu_value_buffers)
     fused_values = staticmethod(ideal_fused_values)
-
-    @staticmethod
-    def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
-                     ) -> tuple[frozenset[int], frozenset[int]]:
-        return frozenset(), frozenset()
-
-    @staticmethod
-    def schedule(graph: OpGraph, groups: list[list[int]], tail: int) -> list[int] | None:
-        return None
+    body_buffers = staticmethod(CpuBuffers.body_buffers)  # nothing more written in bodies
+    schedule = staticmethod(ConservativeBuffers.schedule)  # program order
 
 
 GPU = GpuBuffers()
