@@ -176,6 +176,23 @@ def test_the_next_fastest_plan_is_tried_where_none_is_leaner(monkeypatch):
         run({"free": 700, "a": 590, "b": 580})
 
 
+def test_a_near_miss_is_lowered_loose_where_no_plan_for_a_smaller_estimate_is_found(
+        monkeypatch):
+    """Both plans within the limit compile over it, 'b' by less than NEAR_MISS; nothing else
+    is found. Lowered with its inputs' and outputs' shardings alone, 'b' fits: it runs,
+    and its Plan says so (not pinned inside, XLA's figure, three compile checks). 'a', 3% over,
+    is not tried so."""
+    monkeypatch.setitem(globals(), "PLANS", {"free": (649, 1.42), "a": (560, 1.50),
+                                             "b": (570, 1.55)})
+    made, _ = run({"free": 700, "a": 590, ("a", "propagated"): 500, "b": 580,
+                   ("b", "propagated"): 570})
+    assert made.decisions == FakeDecisions("b", pinned_inside=False)
+    plan = made.make_plan()
+    assert plan.memory["compiled_bytes"] == 570 * MiB
+    assert plan.search_stats["pinned_inside"] is False
+    assert plan.search_stats["compile_checks"] == 3  # a and b pinned, b loose
+
+
 def test_a_program_the_compiler_refuses_for_memory_counts_as_over_the_limit():
     """The TPU compiler refuses a program over the chip's memory where XLA CPU compiles it:
     the compile check reads the bytes the refusal names, and any other error is raised."""

@@ -77,6 +77,15 @@ class Hardware:
     # or another dimension reduce-scatter; tests/test_tpu.py). v4 is not measured (its
     # compile-only devices are cores), so 0.
     scatter_by_sum_lanes: int = 0
+    # A reduce-scatter along a dimension that the result's layout puts neither first (most
+    # major) nor among its two tiled, minor-most dimensions is an all-reduce of the whole
+    # result, sliced after. A dot's result is laid out batch dimensions first, then each
+    # operand's free dimensions but its last, then the two last (`cost.model.result_order`).
+    # The TPU compiler does so (libtpu 0.0.42.1, v5p 2x2x2, v5e 2x4, v6e 2x4: the heads of a
+    # [batch, seq, heads, head_dim] projection, the kv heads and groups of a
+    # [b, s, kv, groups, d] one, the heads of [b, heads, q, k] scores; rank 3 and less never;
+    # tests/test_tpu.py). v4 is not measured (its compile-only devices are cores), so False.
+    scatter_by_sum_inner: bool = False
     # The element types the compiler reduce-scatters; a reduce-scatter of any other is an
     # all-reduce of the whole result, sliced after. Empty: every type. The TPU compiler
     # reduce-scatters float32 and bfloat16 alone (libtpu 0.0.42.1, v5p 2x2x2 and v5e 2x4:
@@ -136,6 +145,7 @@ class Hardware:
                    gather_by_sum_from=int(body.pop("gather_by_sum_from", 0)),
                    scatter_by_sum_from=int(body.pop("scatter_by_sum_from", 0)),
                    scatter_by_sum_lanes=int(body.pop("scatter_by_sum_lanes", 0)),
+                   scatter_by_sum_inner=bool(body.pop("scatter_by_sum_inner", False)),
                    scatters_only=tuple(str(t) for t in body.pop("scatters_only", ())),
                    levels=levels, axis_levels=placed, **numbers,
                    **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
@@ -233,7 +243,7 @@ PROFILES: dict[str, Hardware] = {
     "tpu_v5p": Hardware(
         "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=8,
-        scatter_by_sum_lanes=128, scatters_only=TPU_SCATTERED,
+        scatter_by_sum_lanes=128, scatter_by_sum_inner=True, scatters_only=TPU_SCATTERED,
         memory_bytes=95 * 10**9,
         levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
@@ -242,7 +252,7 @@ PROFILES: dict[str, Hardware] = {
     "tpu_v5e": Hardware(
         "tpu_v5e", flops=197e12, memory_bandwidth=819e9, link_bandwidth=50e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
-        scatter_by_sum_lanes=128, scatters_only=TPU_SCATTERED,
+        scatter_by_sum_lanes=128, scatter_by_sum_inner=True, scatters_only=TPU_SCATTERED,
         memory_bytes=16 * 10**9,
         levels=(LinkLevel("ici", 256, 100e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, "
@@ -252,7 +262,7 @@ PROFILES: dict[str, Hardware] = {
     "tpu_v6e": Hardware(
         "tpu_v6e", flops=918e12, memory_bandwidth=1638e9, link_bandwidth=100e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
-        scatter_by_sum_lanes=128, scatters_only=TPU_SCATTERED,
+        scatter_by_sum_lanes=128, scatter_by_sum_inner=True, scatters_only=TPU_SCATTERED,
         memory_bytes=32 * 10**9,
         levels=(LinkLevel("ici", 256, 200e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s bf16, 32 GB HBM at "

@@ -140,7 +140,8 @@ def _partial_time(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
     comm = 0.0
     for kind, axes, held in partial_collectives(op, strategy, tensors[t], s, mesh):
         n, link = group_size(mesh, axes), group_link(hw, mesh, tuple(axes))
-        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh, tensors[t], s, axes):
+        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh, tensors[t], s, axes,
+                                                         result_order(op, k, tensors)):
             comm += all_reduce(held * n, n, link)
         elif kind == "reduce-scatter":
             comm += reduce_scatter(held * n, n, link)
@@ -168,7 +169,8 @@ def partial_sum(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
     nbytes: dict[str, float] = {}
     for kind, axes, held in found:
         n = group_size(mesh, axes)
-        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh, tensors[t], s, axes):
+        if kind == "reduce-scatter" and scattered_by_sum(hw, n, mesh, tensors[t], s, axes,
+                                                         result_order(op, k, tensors)):
             kind, held = "all-reduce", held * n
         nbytes[kind] = nbytes.get(kind, 0.0) + op.repeat * held
     seconds = op.repeat * _partial_time(op, strategy, k, tensors, mesh, hw, facts)
@@ -225,23 +227,51 @@ def partial_collectives(op: Op, strategy: Strategy, tensor: Tensor, spec: Spec,
 
 
 def scattered_by_sum(hw: Hardware, n: int, mesh: MeshShape, tensor: Tensor | None = None,
-                     spec: Spec = (), axes: Sequence[str] = ()) -> bool:
+                     spec: Spec = (), axes: Sequence[str] = (),
+                     order: Sequence[int] | None = None) -> bool:
     """Whether `hw`'s compiler makes a reduce-scatter over `axes` (`n` devices of `mesh`) of
     `tensor`, held as `spec`, an all-reduce of the whole result: over every device of a large
     enough program (Hardware.scatter_by_sum_from), of elements it does not reduce-scatter
-    (Hardware.scatters_only), or where it scatters the last dimension of bfloat16 leaving each
-    device as many elements as Hardware.scatter_by_sum_lanes."""
+    (Hardware.scatters_only), where it scatters the last dimension of bfloat16 leaving each
+    device as many elements as Hardware.scatter_by_sum_lanes, or a dimension inside the
+    result's layout (Hardware.scatter_by_sum_inner; `order`: the result's dimensions, most
+    major first, as `result_order` gives them; None: as numbered)."""
     if 0 < hw.scatter_by_sum_from <= n == mesh.size:
         return True
     if tensor is None:
         return False
     if hw.scatters_only and tensor.dtype not in hw.scatters_only:
         return True
-    if not hw.scatter_by_sum_lanes or tensor.dtype != "bfloat16" or not spec:
+    if not spec:
         return False
-    last = spec[-1]
-    return (bool(set(axes) & set(last))
-            and tensor.shape[-1] == hw.scatter_by_sum_lanes * group_size(mesh, last))
+    scattered = [d for d, held in enumerate(spec) if set(axes) & set(held)]
+    rank = len(tensor.shape)
+    if hw.scatter_by_sum_inner and rank > 3:
+        place = {d: p for p, d in enumerate(order or range(rank))}
+        if any(1 <= place[d] < rank - 2 for d in scattered):
+            return True
+    return (bool(hw.scatter_by_sum_lanes) and tensor.dtype == "bfloat16"
+            and rank - 1 in scattered
+            and tensor.shape[-1] == hw.scatter_by_sum_lanes * group_size(mesh, spec[-1]))
+
+
+def result_order(op: Op, k: int, tensors: Sequence[Tensor]) -> tuple[int, ...] | None:
+    """The dimensions of the op's result `k` as its layout holds them, most major first, where
+    that is not their numbering: a dot's result [batch, lhs free, rhs free] is laid out batch
+    first, then each operand's free dimensions but its last, then the two last (seen in the
+    TPU compiler's programs, libtpu 0.0.42.1: [b, s, heads, head_dim] is held b, heads, s,
+    head_dim). None: as numbered."""
+    if op.primitive != "dot_general" or k:
+        return None
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs = len(tensors[op.inputs[0]].shape) - len(lc) - len(lb)
+    rhs = len(tensors[op.inputs[1]].shape) - len(rc) - len(rb)
+    if not lhs or not rhs:
+        return None
+    batch = list(range(len(lb)))
+    lhs_free = [len(lb) + i for i in range(lhs)]
+    rhs_free = [len(lb) + lhs + i for i in range(rhs)]
+    return tuple(batch + lhs_free[:-1] + rhs_free[:-1] + [lhs_free[-1], rhs_free[-1]])
 
 
 def op_collectives(op: Op, strategy: Strategy, tensors: Sequence[Tensor], mesh: MeshShape,
