@@ -13,7 +13,9 @@ from test_pipeline_choice import slow_devices
 
 import autopar
 from autopar.cost.hlo import collectives
+from autopar.lower import side_results
 from autopar.lower_loop import pinnable_loop
+from autopar.trace.analysis import backward_steps
 from autopar.trace.tracer import trace
 
 pytestmark = pytest.mark.slow  # the slow tier: `make test-fast` leaves it out
@@ -80,4 +82,32 @@ def test_a_loop_with_a_checkpointed_body_is_pinned_and_equals_one_device():
     assert len(loop_bodies) == 2, len(loop_bodies)
     assert all("sdy.sharding_constraint" in body for body in loop_bodies), "a loop not pinned"
     assert "optimization_barrier" in loop_bodies[1], "the backward loop's body has no barrier"
+    check_against_single_device(step, state, batch, mesh, donate_argnums=0)
+
+
+def test_the_work_the_backward_loop_does_not_need_runs_before_it():
+    """The loss and the output layer's weight gradients are made before the backward loop
+    and read after it (the loss by the caller, the gradients by the optimizer): the lowering
+    ties them to the loop through an optimization barrier, so that the compiler cannot run
+    them after it, holding the logits across it (docs/decisions.md). Trained, it equals one
+    device."""
+    model, tx = RematStack(), optax.adamw(1e-2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (512, 16))
+    y = jax.random.normal(jax.random.PRNGKey(1), (512, 8))
+    params = model.init(jax.random.PRNGKey(2), x)
+    state, batch = (params, tx.init(params)), {"inputs": x, "targets": y}
+    step = models.linen_step(model, models.mse, tx)
+    graph, _, _ = trace(step, (state, batch))
+    loops = [i for i, s in enumerate(graph.program)
+             if s.eqn is not None and s.eqn.primitive.name == "scan"]
+    side = side_results(graph, backward_steps(graph))
+    assert list(side) == [loops[1]]  # the backward loop only
+    loss = graph.outputs[-1]
+    assert graph.tensors[loss].shape == () and loss in side[loops[1]]
+    out_kernel = [t for t in side[loops[1]] if graph.tensors[t].shape == (32, 8)]
+    assert out_kernel, "the output layer's kernel gradient is not tied"
+    mesh = autopar.make_mesh({"data": 4, "model": 2})
+    text = autopar.auto_parallel(step, mesh=mesh).lower(state, batch).as_text()
+    before_loops = text[text.index("func.func public @main"):].split("stablehlo.while")
+    assert "optimization_barrier" in before_loops[1], "no barrier before the backward loop"
     check_against_single_device(step, state, batch, mesh, donate_argnums=0)
