@@ -61,20 +61,20 @@ class Hardware:
     # an all-reduce of the gathered tensor (zeros but its own shard) rather than an
     # all-gather: twice the bus bytes. 0: never. The TPU compiler does from 64 (libtpu
     # 0.0.42.1: v5p 4x4x4 and 4x4x8, v5e 8x8; 32 chips and fewer, or a group of 64 in 128,
-    # all-gather; tests/test_tpu.py).
+    # all-gather; tests/test_tpu_scatters.py).
     gather_by_sum_from: int = 0
     # From this many devices on, a reduce-scatter over every device of the program is an
     # all-reduce of the whole result, sliced after: twice the bus bytes. 0: never. The TPU
     # compiler does from 8 chips on v5p and 16 on v5e and v6e, at every size tried (libtpu
     # 0.0.42.1; 4 and 8 reduce-scatter but for a few sizes; a group of fewer than all devices
-    # reduce-scatters; tests/test_tpu.py). v4 is not measured (its compile-only devices are
+    # reduce-scatters; tests/test_tpu_scatters.py). v4 is not measured (its compile-only devices are
     # cores, not chips), so 0.
     scatter_by_sum_from: int = 0
     # A reduce-scatter of bfloat16 along a result's last dimension that leaves each device
     # this many of it is an all-reduce of the whole result, sliced after. 0: never.
     # The TPU compiler does at 128, its vector lanes (libtpu 0.0.42.1: v5p 2x2x1 to 4x4x4
     # over groups of 2 to 32 chips, v5e 2x4 and 4x4, v6e 2x4; 32, 64, 256 or 512 left, float32,
-    # or another dimension reduce-scatter; tests/test_tpu.py). v4 is not measured (its
+    # or another dimension reduce-scatter; tests/test_tpu_scatters.py). v4 is not measured (its
     # compile-only devices are cores), so 0.
     scatter_by_sum_lanes: int = 0
     # A reduce-scatter along a dimension that the result's layout puts neither first (most
@@ -84,13 +84,14 @@ class Hardware:
     # The TPU compiler does so (libtpu 0.0.42.1, v5p 2x2x2, v5e 2x4, v6e 2x4: the heads of a
     # [batch, seq, heads, head_dim] projection, the kv heads and groups of a
     # [b, s, kv, groups, d] one, the heads of [b, heads, q, k] scores; rank 3 and less never;
-    # tests/test_tpu.py). v4 is not measured (its compile-only devices are cores), so False.
+    # tests/test_tpu_scatters.py). v4 is not measured (its compile-only devices are cores),
+    # so False.
     scatter_by_sum_inner: bool = False
     # The element types the compiler reduce-scatters; a reduce-scatter of any other is an
     # all-reduce of the whole result, sliced after. Empty: every type. The TPU compiler
     # reduce-scatters float32 and bfloat16 alone (libtpu 0.0.42.1, v5p 2x2x2 and v5e 2x4:
     # float16, int8, int16, int32 and uint32 all-reduced whatever is left on each device, along
-    # either dimension; tests/test_tpu.py).
+    # either dimension; tests/test_tpu_scatters.py).
     scatters_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -103,7 +103,8 @@ def _summed_gathers(steps: tuple, mesh: MeshShape, gather_by_sum_from: int) -> t
     every device of a large enough program are one all-reduce of the gathered result: the TPU
     compiler (libtpu 0.0.42.1) merges them into one gather over all devices, made by a sum.
     On v5p 4x4x4 as (32, 2), (16, 4) and (8, 8), `P('data', 'model')` to `P()` compiles to
-    one all-reduce of the whole tensor; XLA CPU gathers axis by axis (tests/test_tpu.py)."""
+    one all-reduce of the whole tensor; XLA CPU gathers axis by axis
+    (tests/test_tpu_scatters.py)."""
     gathered = [step for step in steps if step[0] == "all-gather"]
     if (len(gathered) < 2 or len(gathered) != len(steps)
             or not 0 < gather_by_sum_from <= mesh.size
