@@ -234,8 +234,9 @@ def side_results(graph: OpGraph, backward: frozenset[int]) -> dict[int, tuple[in
     the layers after the loop's. XLA's scheduler may run such steps after the loop, holding
     their inputs across it: the TPU compiler computed Llama-2-7B's loss (a gather of the f32
     logits, 500 MiB a chip) after the layers' backward loop (docs/decisions.md, "Work the
-    backward loop does not need, before it"). Tied to the loop, they run where the program
-    and the memory estimate have them. Loops that read a recomputed value are left alone."""
+    backward loop does not need, before it"). Tied to the loop (`_Run.tie`, where the loop
+    reads no recomputed value), they run where the program and the memory estimate have
+    them."""
     made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
     last = {t: i for i, step in enumerate(graph.program) for t in step.inputs}
     last.update({t: len(graph.program) for t in graph.outputs})
