@@ -184,13 +184,20 @@ def _kept(made: Any, p: Plan, compiled: int, memory_limit: int, checks: int,
     return dataclasses.replace(made, make_plan=lambda: p)
 
 
+def _loose(make: Build, compiled_of: Compiled, decisions: Decisions, p: Plan
+           ) -> tuple[Any, Any, int]:
+    """The plan lowered with its inputs' and outputs' shardings alone (XLA's propagation
+    placing the rest): the step, its executable, and the bytes XLA needs for it."""
+    made = make(dataclasses.replace(decisions, pinned_inside=False), p)
+    return (made, *_compiled(compiled_of, made))
+
+
 def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: Plan,
                 pinned: Any, executable: Any, make: Build, compiled_of: Compiled) -> Any:
-    """The plan lowered with its inputs' and outputs' shardings alone, where XLA fits it
-    within the limit and judges it (`autopar.evaluate` on the plan's hardware) no slower than
-    the program pinned throughout; else None."""
-    made = make(dataclasses.replace(decisions, pinned_inside=False), p)
-    loose, compiled = _compiled(compiled_of, made)
+    """The plan lowered loose (`_loose`), where XLA fits it within the limit and judges it
+    (`autopar.evaluate` on the plan's hardware) no slower than the program pinned
+    throughout; else None."""
+    made, loose, compiled = _loose(make, compiled_of, decisions, p)
     if compiled > memory_limit:
         return None
     if evaluate(loose, made.mesh, planning.hw).step_s > evaluate(
@@ -202,15 +209,15 @@ def _propagated(planning: Planning, memory_limit: int, decisions: Decisions, p: 
 def _loosened(near: list[tuple[Decisions, Plan]], memory_limit: int, make: Build,
               compiled_of: Compiled, checks: int) -> Any:
     """The first of the plans that compiled over the limit by less than NEAR_MISS that fits
-    lowered with its inputs' and outputs' shardings alone (XLA's propagation places the rest,
-    and held 2 to 9% less of Llama-2-7B's memory-limited plans on 64 v5p chips: docs/
-    decisions.md, "Which reduce-scatters the TPU compiler makes all-reduces"), where no plan
-    for a smaller estimate was found; None where none fits."""
-    for decisions, p in near:
-        made = make(dataclasses.replace(decisions, pinned_inside=False), p)
-        compiled = _compiled(compiled_of, made)[1]
+    lowered loose (`_loose`; such programs held 1.5 to 16% less of Llama-2-7B's
+    memory-limited plans on 64 v5p chips: docs/decisions.md, "Which reduce-scatters the TPU
+    compiler makes all-reduces" and "A reduce-scatter inside a dot's layout is an all-reduce
+    on TPU"), where no plan for a smaller estimate was found; None where none fits.
+    `checks`: the compiles made before these."""
+    for checks, (decisions, p) in enumerate(near, start=checks + 1):
+        made, _, compiled = _loose(make, compiled_of, decisions, p)
         if compiled <= memory_limit:
-            return _kept(made, p, compiled, memory_limit, checks + 1, pinned_inside=False)
+            return _kept(made, p, compiled, memory_limit, checks, pinned_inside=False)
     return None
 
 

@@ -237,14 +237,16 @@ def side_results(graph: OpGraph, backward: frozenset[int]) -> dict[int, tuple[in
     backward loop does not need, before it"). Tied to the loop (`_Run.tie`, where the loop
     reads no recomputed value), they run where the program and the memory estimate have
     them."""
+    loops = [i for i in sorted(backward) if graph.program[i].eqn is not None
+             and graph.program[i].eqn.primitive.name in ("scan", "while")]
+    if not loops:  # most steps: nothing to walk at each lowering
+        return {}
     made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
     last = {t: i for i, step in enumerate(graph.program) for t in step.inputs}
     last.update({t: len(graph.program) for t in graph.outputs})
     out: dict[int, tuple[int, ...]] = {}
-    for i in sorted(backward):
+    for i in loops:
         step = graph.program[i]
-        if step.eqn is None or step.eqn.primitive.name not in ("scan", "while"):
-            continue
         needed, todo = set(), [made_by[t] for t in step.inputs if t in made_by]
         while todo:
             j = todo.pop()

@@ -59,17 +59,22 @@ class RematStack(nn.Module):
         return nn.Dense(8)(x)
 
 
+def _remat_stack_step():
+    """RematStack's training step (adamw, mse), its state and a batch large enough that the
+    plan splits the loops (at 32 it keeps them whole)."""
+    model, tx = RematStack(), optax.adamw(1e-2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (512, 16))
+    y = jax.random.normal(jax.random.PRNGKey(1), (512, 8))
+    params = model.init(jax.random.PRNGKey(2), x)
+    return (models.linen_step(model, models.mse, tx), (params, tx.init(params)),
+            {"inputs": x, "targets": y})
+
+
 def test_a_loop_with_a_checkpointed_body_is_pinned_and_equals_one_device():
     """The backward loop of an nn.scan over nn.remat blocks is pinned like any loop, its
     recomputation reading what it takes from outside through an optimization barrier inside
     the loop, as JAX lowers a checkpoint; trained, it equals one device."""
-    model, tx = RematStack(), optax.adamw(1e-2)
-    # a batch large enough that the plan splits the loops (at 32 it keeps them whole)
-    x = jax.random.normal(jax.random.PRNGKey(0), (512, 16))
-    y = jax.random.normal(jax.random.PRNGKey(1), (512, 8))
-    params = model.init(jax.random.PRNGKey(2), x)
-    state, batch = (params, tx.init(params)), {"inputs": x, "targets": y}
-    step = models.linen_step(model, models.mse, tx)
+    step, state, batch = _remat_stack_step()
 
     graph, _, _ = trace(step, (state, batch))
     loops = [s for s in graph.program if s.eqn is not None and s.eqn.primitive.name == "scan"]
@@ -91,12 +96,7 @@ def test_the_work_the_backward_loop_does_not_need_runs_before_it():
     ties them to the loop through an optimization barrier, so that the compiler cannot run
     them after it, holding the logits across it (docs/decisions.md). Trained, it equals one
     device."""
-    model, tx = RematStack(), optax.adamw(1e-2)
-    x = jax.random.normal(jax.random.PRNGKey(0), (512, 16))
-    y = jax.random.normal(jax.random.PRNGKey(1), (512, 8))
-    params = model.init(jax.random.PRNGKey(2), x)
-    state, batch = (params, tx.init(params)), {"inputs": x, "targets": y}
-    step = models.linen_step(model, models.mse, tx)
+    step, state, batch = _remat_stack_step()
     graph, _, _ = trace(step, (state, batch))
     loops = [i for i, s in enumerate(graph.program)
              if s.eqn is not None and s.eqn.primitive.name == "scan"]

@@ -83,7 +83,8 @@ class Hardware:
     # operand's free dimensions but its last, then the two last (`cost.model.result_order`).
     # The TPU compiler does so (libtpu 0.0.42.1, v5p 2x2x2, v5e 2x4, v6e 2x4: the heads of a
     # [batch, seq, heads, head_dim] projection, the kv heads and groups of a
-    # [b, s, kv, groups, d] one, the heads of [b, heads, q, k] scores; rank 3 and less never;
+    # [b, s, kv, groups, d] one, the heads of [b, heads, q, k] scores; a rank-3 result has
+    # no dimension inside, and none tried was all-reduced but by the lanes' rule above;
     # tests/test_tpu_scatters.py). v4 is not measured (its compile-only devices are cores),
     # so False.
     scatter_by_sum_inner: bool = False
