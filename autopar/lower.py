@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from autopar.cost.model import partial_split
 from autopar.cost.resharding import reshard_stops
 from autopar.decisions import Decisions
-from autopar.lower_loop import pinnable_loop, remat_inputs, run_loop, sharded_inside
+from autopar.lower_loop import (pinnable_loop, remat_inputs, run_loop, sharded_inside,
+                                side_results)
 from autopar.rules.factors import Spec, Strategy, to_partition_spec
 from autopar.rules.kinds import CONTRACTING, ELEMENTWISE
 from autopar.trace.analysis import backward_steps, recomputed_layer_of
@@ -226,38 +227,6 @@ class _Run:
             if i in low.backward and results:
                 self.latest = results[0]
         return [low.constrain(self.read(t), s) for t, s in zip(self.graph.outputs, out_specs)]
-
-
-def side_results(graph: OpGraph, backward: frozenset[int]) -> dict[int, tuple[int, ...]]:
-    """Loop steps of the backward pass -> the results, made before them, of the steps that the
-    loop does not need, read after it (or step outputs): the loss, the weight gradients of
-    the layers after the loop's. XLA's scheduler may run such steps after the loop, holding
-    their inputs across it: the TPU compiler computed Llama-2-7B's loss (a gather of the f32
-    logits, 500 MiB a chip) after the layers' backward loop (docs/decisions.md, "Work the
-    backward loop does not need, before it"). Tied to the loop (`_Run.tie`, where the loop
-    reads no recomputed value), they run where the program and the memory estimate have
-    them."""
-    loops = [i for i in sorted(backward) if graph.program[i].eqn is not None
-             and graph.program[i].eqn.primitive.name in ("scan", "while")]
-    if not loops:  # most steps: nothing to walk at each lowering
-        return {}
-    made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
-    last = {t: i for i, step in enumerate(graph.program) for t in step.inputs}
-    last.update({t: len(graph.program) for t in graph.outputs})
-    out: dict[int, tuple[int, ...]] = {}
-    for i in loops:
-        step = graph.program[i]
-        needed, todo = set(), [made_by[t] for t in step.inputs if t in made_by]
-        while todo:
-            j = todo.pop()
-            if j not in needed:
-                needed.add(j)
-                todo += [made_by[t] for t in graph.program[j].inputs if t in made_by]
-        side = tuple(t for j in range(i) if j not in needed
-                     for t in graph.program[j].outputs if last.get(t, -1) > i)
-        if side:
-            out[i] = side
-    return out
 
 
 def jit_step(graph: OpGraph, decisions: Decisions, mesh: Mesh,

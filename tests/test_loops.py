@@ -13,7 +13,7 @@ from test_pipeline_choice import slow_devices
 
 import autopar
 from autopar.cost.hlo import collectives
-from autopar.lower import side_results
+from autopar.lower_loop import side_results
 from autopar.lower_loop import pinnable_loop
 from autopar.trace.analysis import backward_steps
 from autopar.trace.tracer import trace
@@ -93,9 +93,9 @@ def test_a_loop_with_a_checkpointed_body_is_pinned_and_equals_one_device():
 def test_the_work_the_backward_loop_does_not_need_runs_before_it():
     """The loss and the output layer's weight gradients are made before the backward loop
     and read after it (the loss by the caller, the gradients by the optimizer): the lowering
-    ties them to the loop through an optimization barrier, so that the compiler cannot run
-    them after it, holding the logits across it (docs/decisions.md). Trained, it equals one
-    device."""
+    ties them, and the dots' results they are transposed from, to the loop through an
+    optimization barrier, so that the compiler cannot run them after it, holding the logits
+    across it (docs/decisions.md). Trained, it equals one device."""
     step, state, batch = _remat_stack_step()
     graph, _, _ = trace(step, (state, batch))
     loops = [i for i, s in enumerate(graph.program)
@@ -106,6 +106,11 @@ def test_the_work_the_backward_loop_does_not_need_runs_before_it():
     assert graph.tensors[loss].shape == () and loss in side[loops[1]]
     out_kernel = [t for t in side[loops[1]] if graph.tensors[t].shape == (32, 8)]
     assert out_kernel, "the output layer's kernel gradient is not tied"
+    # and the dot's own result it is transposed from: tied alone, the transposed (or
+    # converted) gradient let the TPU compiler run the dot after the loop all the same
+    made_by = {t: s for s in graph.program for t in s.outputs}
+    dots = [t for t in side[loops[1]] if made_by[t].eqn.primitive.name == "dot_general"]
+    assert [graph.tensors[t].shape for t in dots] == [(8, 32)], dots
     mesh = autopar.make_mesh({"data": 4, "model": 2})
     text = autopar.auto_parallel(step, mesh=mesh).lower(state, batch).as_text()
     before_loops = text[text.index("func.func public @main"):].split("stablehlo.while")

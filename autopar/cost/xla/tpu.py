@@ -112,12 +112,32 @@ def grouped_scores(graph: OpGraph) -> tuple[GroupedScores, ...]:
     return tuple(out)
 
 
+@per_graph
+def fused_into_dots(graph: OpGraph) -> frozenset[int]:
+    """Fused values that dots or convolutions read (all their readers fusing them): inside a
+    loop body as outside it (value_buffers), the TPU compiler recomputes them in each reader.
+    A softmax's probabilities in bfloat16, read by the two dots of attention's forward and
+    backward, get no buffer: measured on Llama-2-7B's scanned backward body on 64 v5p chips,
+    whose peak holds two of the [4, 16, 2048, 2048] score-sized buffers, not three."""
+    readers: dict[int, list[str]] = {}
+    for op in graph.ops:
+        for t in set(op.inputs):
+            readers.setdefault(t, []).append(op.primitive)
+    outputs = set(graph.outputs)
+    return frozenset(t for op in graph.ops if op.primitive in FUSED for t in op.outputs
+                     if t not in outputs and readers.get(t)
+                     and all(r in TPU_FUSING_READERS for r in readers[t]))
+
+
 def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
                  ) -> tuple[frozenset[int], frozenset[int]]:
-    """(loop-body values written that an ideal fuser would not, dots' results not written)
-    with tensors sharded as `specs`: grouped_scores where two of the scores' batch dimensions
-    and three others are longer than 1 on the device."""
-    written, unwritten = set(), set()
+    """(loop-body values written that an ideal fuser would not, values the ideal fuser writes
+    that are not) with tensors sharded as `specs`: grouped_scores where two of the scores'
+    batch dimensions and three others are longer than 1 on the device are written; fused
+    values only dots read (fused_into_dots) are not, but those made from such scores (their
+    probabilities in bfloat16, written for the dots that read them: Llama-3-8B's scanned
+    backward body on 64 v5p chips holds them), and neither is those scores' dot."""
+    written, unwritten, softmax = set(), set(), set()
     for scores in grouped_scores(graph):
         shape, spec = graph.tensors[scores.dot].shape, specs.get(scores.dot)
         local = [n // (group_size(mesh, spec[i]) if spec else 1) for i, n in enumerate(shape)]
@@ -125,7 +145,24 @@ def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
                 and sum(n > 1 for n in local[scores.batch:]) >= 3):
             written.update(scores.normalised)
             unwritten.add(scores.dot)
-    return frozenset(written), frozenset(unwritten)
+            softmax |= _fused_from(graph, scores.dot)
+    return (frozenset(written),
+            frozenset(unwritten | (fused_into_dots(graph) - written - softmax)))
+
+
+def _fused_from(graph: OpGraph, t: int) -> set[int]:
+    """The values made from `t` through fused operators alone, at any depth."""
+    readers: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for u in set(op.inputs):
+            readers.setdefault(u, []).append(op)
+    out, todo = set(), [t]
+    while todo:
+        for op in readers.get(todo.pop(), ()):
+            if op.primitive in FUSED:
+                todo += [u for u in op.outputs if u not in out]
+                out.update(op.outputs)
+    return out
 
 
 class TpuBuffers(CpuBuffers):
