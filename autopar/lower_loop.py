@@ -147,7 +147,7 @@ def side_results(graph: OpGraph, backward: frozenset[int]) -> dict[int, tuple[in
                 todo += [made_by[t] for t in graph.program[j].inputs if t in made_by]
         side = tuple(t for j in range(i) if j not in needed
                      for t in graph.program[j].outputs if last.get(t, -1) > i)
-        side += tuple(_made_from(graph, side, made_by, needed))
+        side = tuple(dict.fromkeys(side + tuple(_made_from(graph, side, made_by, needed))))
         if side:
             out[i] = side
     return out

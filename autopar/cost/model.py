@@ -85,6 +85,12 @@ def fused_values(graph: OpGraph) -> frozenset[int]:
     (BufferModel.fused_values; XLA CPU writes a value several fusions read, cost/xla/cpu.py).
     An elementwise chain reads its inputs and writes its result once, not once per operator;
     charged per operator, a softmax over a vocabulary cost twice what XLA's program reads."""
+    return fused_when_read_by(graph, FUSING_READERS)
+
+
+def fused_when_read_by(graph: OpGraph, fusing: frozenset[str]) -> frozenset[int]:
+    """The values made by an operator fused into its readers, read only by `fusing`
+    primitives, that are not results of the step."""
     readers: dict[int, list[str]] = {}
     for op in graph.ops:
         for t in set(op.inputs):
@@ -92,7 +98,7 @@ def fused_values(graph: OpGraph) -> frozenset[int]:
     outputs = set(graph.outputs)
     return frozenset(t for op in graph.ops if op.primitive in FUSED for t in op.outputs
                      if t not in outputs and readers.get(t)
-                     and all(r in FUSING_READERS for r in readers[t]))
+                     and all(r in fusing for r in readers[t]))
 
 
 class ValueFacts(NamedTuple):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from autopar.cost.model import fused_values as fusible_values, group_size
+from autopar.cost.model import fused_values as fusible_values, fused_when_read_by, group_size
 from autopar.cost.xla.buffers import ValueBuffers
 from autopar.cost.xla.cpu import CpuBuffers, buffered_values
 from autopar.mesh import MeshShape
@@ -119,14 +119,7 @@ def fused_into_dots(graph: OpGraph) -> frozenset[int]:
     A softmax's probabilities in bfloat16, read by the two dots of attention's forward and
     backward, get no buffer: measured on Llama-2-7B's scanned backward body on 64 v5p chips,
     whose peak holds two of the [4, 16, 2048, 2048] score-sized buffers, not three."""
-    readers: dict[int, list[str]] = {}
-    for op in graph.ops:
-        for t in set(op.inputs):
-            readers.setdefault(t, []).append(op.primitive)
-    outputs = set(graph.outputs)
-    return frozenset(t for op in graph.ops if op.primitive in FUSED for t in op.outputs
-                     if t not in outputs and readers.get(t)
-                     and all(r in TPU_FUSING_READERS for r in readers[t]))
+    return fused_when_read_by(graph, TPU_FUSING_READERS)
 
 
 def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
