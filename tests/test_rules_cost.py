@@ -6,8 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from autopar.cost import PROFILES
 from autopar.cost.hardware import Link, group_link
-from autopar.cost.model import (all_gather, all_reduce, all_to_all, latency, op_collectives,
-                                 op_time)
+from autopar.cost.model import all_gather, all_reduce, all_to_all, op_collectives, op_time
 from autopar.cost.resharding import reshard_time
 from autopar.mesh import MeshShape
 from autopar.rules import enumerate_strategies, follow, rule_for, to_partition_spec
@@ -222,17 +221,3 @@ def test_primitive_kinds_are_one_catalogue():
     assert kinds.decides("dot_general", [(4, 4), (4, 4)], [(4, 4)])
     assert not kinds.decides("add", [(4, 4), (4, 4)], [(4, 4)])
     assert kinds.decides("broadcast_in_dim", [(4,)], [(8, 4)])
-
-
-def test_a_tpu_collective_pays_a_hop_latency_at_each_step_of_its_ring():
-    """On the TPU profiles a collective pays its fixed latency and a microsecond at each step
-    of its ring: an all-reduce over 256 chips 2 x 255 of them, an all-gather over 2 one. The
-    GPU and CPU profiles pay the fixed latency alone."""
-    mesh = MeshShape(("data", "model"), (256, 2))
-    tpu, gpu = PROFILES["tpu_v5p"], PROFILES["h100"]
-    data, model = group_link(tpu, mesh, ("data",)), group_link(tpu, mesh, ("model",))
-    assert latency("all-reduce", 256, data) == pytest.approx(tpu.link_latency + 510e-6)
-    assert latency("all-gather", 2, model) == pytest.approx(tpu.link_latency + 1e-6)
-    assert all_reduce(0.0, 256, data) == pytest.approx(tpu.link_latency + 510e-6)
-    link = group_link(gpu, MeshShape(("data",), (8,)), ("data",))
-    assert latency("all-reduce", 8, link) == gpu.link_latency

@@ -24,7 +24,6 @@ class Link:
 
     latency: float  # seconds of fixed cost per collective step
     bandwidth: float  # bytes per second one device sends
-    hop: float = 0.0  # seconds more per step of the collective's ring (Hardware.hop_latency)
 
 
 @dataclass(frozen=True)
@@ -95,13 +94,6 @@ class Hardware:
     # float16, int8, int16, int32 and uint32 all-reduced whatever is left on each device, along
     # either dimension; tests/test_tpu_scatters.py).
     scatters_only: tuple[str, ...] = ()
-    # Seconds a collective pays at each step of its ring over the devices, beyond its fixed
-    # latency: n - 1 steps over n devices, 2(n - 1) for an all-reduce. A TPU torus collective
-    # passes its pieces chip to chip: one over 512 chips waits on 1,022 hops where one over 2
-    # waits on 2. Without it, the TPU plan within the expert's memory on 512 chips all-reduced
-    # each layer's norm-scale gradients over every chip (32 all-reduces of 32 KiB, priced 10
-    # us each; the judge, at a microsecond a hop, 1.02 ms each).
-    hop_latency: float = 0.0
 
     def __post_init__(self) -> None:
         rates = {"flops": self.flops, "memory_bandwidth": self.memory_bandwidth,
@@ -157,7 +149,6 @@ class Hardware:
                    scatter_by_sum_lanes=int(body.pop("scatter_by_sum_lanes", 0)),
                    scatter_by_sum_inner=bool(body.pop("scatter_by_sum_inner", False)),
                    scatters_only=tuple(str(t) for t in body.pop("scatters_only", ())),
-                   hop_latency=float(body.pop("hop_latency", 0.0)),
                    levels=levels, axis_levels=placed, **numbers,
                    **{k: str(v) for k, v in body.items()})  # source, platform; else TypeError
 
@@ -206,7 +197,7 @@ def axis_links(hw: Hardware, mesh: MeshShape) -> tuple[Link, ...]:
         spanned *= size
         level = by_name[chosen[name]] if name in chosen else next(
             (lv for lv in levels if lv.devices == 0 or spanned <= lv.devices), levels[-1])
-        out.append(Link(level.latency, level.bandwidth, hw.hop_latency))
+        out.append(Link(level.latency, level.bandwidth))
     return tuple(reversed(out))
 
 
@@ -217,8 +208,8 @@ def group_link(hw: Hardware, mesh: MeshShape, axes: tuple[str, ...]) -> Link:
     links = axis_links(hw, mesh)
     chosen = [links[mesh.names.index(a)] for a in axes if mesh.axis_size(a) > 1]
     if not chosen:
-        return Link(hw.link_latency, hw.link_bandwidth, hw.hop_latency)
-    return Link(max(k.latency for k in chosen), min(k.bandwidth for k in chosen), hw.hop_latency)
+        return Link(hw.link_latency, hw.link_bandwidth)
+    return Link(max(k.latency for k in chosen), min(k.bandwidth for k in chosen))
 
 
 TPU_SCATTERED = ("float32", "bfloat16")  # Hardware.scatters_only of the TPU profiles
@@ -245,7 +236,7 @@ PROFILES: dict[str, Hardware] = {
                "one 400 Gb/s NDR InfiniBand port per GPU between nodes (50 GB/s)."),
     "tpu_v4": Hardware(
         "tpu_v4", flops=275e12, memory_bandwidth=1.2e12, link_bandwidth=45e9 * 2, link_latency=1e-5,
-        platform="tpu", gather_by_sum_from=64, hop_latency=1e-6, memory_bytes=32 * 2**30,
+        platform="tpu", gather_by_sum_from=64, memory_bytes=32 * 2**30,
         levels=(LinkLevel("ici", 4096, 90e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v4 documentation: 275 TFLOP/s bf16, 32 GiB HBM at 1,200 GB/s; "
                "ICI links of ~45 GB/s each way, two per mesh axis (torus), across a pod of up "
@@ -255,7 +246,7 @@ PROFILES: dict[str, Hardware] = {
         "tpu_v5p", flops=459e12, memory_bandwidth=2.765e12, link_bandwidth=90e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=8,
         scatter_by_sum_lanes=128, scatter_by_sum_inner=True, scatters_only=TPU_SCATTERED,
-        hop_latency=1e-6, memory_bytes=95 * 10**9,
+        memory_bytes=95 * 10**9,
         levels=(LinkLevel("ici", 8960, 180e9, 1e-5), LinkLevel("dcn", 0, 6.25e9, 5e-5)),
         source="Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 "
                "GB/s, ICI 4,800 Gb/s per chip (twice v4's), pods of up to 8,960 chips; between "
@@ -264,7 +255,7 @@ PROFILES: dict[str, Hardware] = {
         "tpu_v5e", flops=197e12, memory_bandwidth=819e9, link_bandwidth=50e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
         scatter_by_sum_lanes=128, scatter_by_sum_inner=True, scatters_only=TPU_SCATTERED,
-        hop_latency=1e-6, memory_bytes=16 * 10**9,
+        memory_bytes=16 * 10**9,
         levels=(LinkLevel("ici", 256, 100e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, "
                "400 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus (50 GB/s each "
@@ -274,7 +265,7 @@ PROFILES: dict[str, Hardware] = {
         "tpu_v6e", flops=918e12, memory_bandwidth=1638e9, link_bandwidth=100e9 * 2,
         link_latency=1e-5, platform="tpu", gather_by_sum_from=64, scatter_by_sum_from=16,
         scatter_by_sum_lanes=128, scatter_by_sum_inner=True, scatters_only=TPU_SCATTERED,
-        hop_latency=1e-6, memory_bytes=32 * 10**9,
+        memory_bytes=32 * 10**9,
         levels=(LinkLevel("ici", 256, 200e9, 1e-5), LinkLevel("dcn", 0, 3.125e9, 5e-5)),
         source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOP/s bf16, 32 GB HBM at "
                "1,638 GB/s, 800 GB/s of bidirectional ICI per chip over 4 ports of a 2D torus "

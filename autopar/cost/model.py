@@ -27,27 +27,13 @@ def group_size(mesh: MeshShape, axes: Sequence[str]) -> int:
     return math.prod(map(mesh.axis_size, axes))
 
 
-# The steps of each kind's ring over n devices: each pays the link's hop latency.
-STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
-         "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
-         "collective-permute": lambda n: 1}
-
-
-def latency(kind: str, n: int, link: Link) -> float:
-    """The fixed seconds of one collective of `kind` over `n` devices on `link`: its latency,
-    and its hop latency at each step of its ring (Hardware.hop_latency)."""
-    return link.latency + link.hop * STEPS[kind](n)
-
-
 def all_reduce(nbytes: float, n: int, link: Link) -> float:
-    return 0.0 if n <= 1 else (latency("all-reduce", n, link)
-                               + 2 * (n - 1) / n * nbytes / link.bandwidth)
+    return 0.0 if n <= 1 else link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def all_gather(nbytes: float, n: int, link: Link) -> float:
     """nbytes: the gathered size on each device."""
-    return 0.0 if n <= 1 else (latency("all-gather", n, link)
-                               + (n - 1) / n * nbytes / link.bandwidth)
+    return 0.0 if n <= 1 else link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
 def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
@@ -56,8 +42,7 @@ def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
 
 
 def all_to_all(nbytes: float, n: int, link: Link) -> float:
-    return 0.0 if n <= 1 else (latency("all-to-all", n, link)
-                               + (n - 1) / (2 * n) * nbytes / link.bandwidth)
+    return 0.0 if n <= 1 else link.latency + (n - 1) / (2 * n) * nbytes / link.bandwidth
 
 
 # The byte fraction each kind moves per byte of its result on one device, over n devices.
@@ -72,7 +57,7 @@ def collective_time(kind: str, result_bytes: float, n: int, link: Link) -> float
     functions above, with a reduce-scatter's input n times its result."""
     if n <= 1:
         return 0.0
-    return latency(kind, n, link) + MOVED[kind](n) * result_bytes / link.bandwidth
+    return link.latency + MOVED[kind](n) * result_bytes / link.bandwidth
 
 
 def shard_bytes(tensor: Tensor, spec: Spec, mesh: MeshShape) -> float:
@@ -169,7 +154,7 @@ def _partial_time(op: Op, strategy: Strategy, k: int, tensors: Sequence[Tensor],
         else:
             comm += all_reduce(held, n, link)
             if n > 1 and t in facts.combined:
-                comm -= latency("all-reduce", n, link) * (1 - 1 / facts.combined[t])
+                comm -= link.latency * (1 - 1 / facts.combined[t])
     return comm
 
 

@@ -10,7 +10,7 @@ import math
 from typing import Sequence
 
 from autopar.cost.hardware import Hardware, group_link
-from autopar.cost.model import MOVED, group_size, latency as step_latency
+from autopar.cost.model import MOVED, group_size
 from autopar.mesh import MeshShape
 from autopar.rules.factors import Spec
 from autopar.trace.ir import Tensor
@@ -157,7 +157,7 @@ def reshard_terms(src: Spec, dst: Spec, mesh: MeshShape, hw: Hardware) -> tuple[
     latency = per_byte = 0.0
     for kind, n, share, dim, axes in reshard_sequence(src, dst, mesh, hw.gather_by_sum_from):
         link = group_link(hw, mesh, axes)
-        latency += step_latency(kind, n, link)
+        latency += link.latency
         # Gathering step by step moves the bytes one all-gather over all the axes would.
         if kind == "collective-permute":  # every device receives its whole new shard
             per_byte += share / link.bandwidth
