@@ -8,7 +8,8 @@ XLA's CPU model (cpu.py) but for these rules:
   does too;
 - `body_buffers(graph, specs, mesh)`: in loop bodies, grouped-query attention's scores are
   written in float32, and their exp, where two of their batch dimensions and three others
-  are longer than 1 on the device (see grouped_scores);
+  are longer than 1 on the device (see grouped_scores); other scores' softmax and its
+  gradient are not written where only dots read them (fused_into_dots);
 - no operand is transposed into a copy;
 - loop bodies reuse buffers (a fused value's operands live until its last reader:
   loop_bodies.body_peak), run the weight gradients' dots last, and convert a stacked input
@@ -114,11 +115,12 @@ def grouped_scores(graph: OpGraph) -> tuple[GroupedScores, ...]:
 
 @per_graph
 def fused_into_dots(graph: OpGraph) -> frozenset[int]:
-    """Fused values that dots or convolutions read (all their readers fusing them): inside a
-    loop body as outside it (value_buffers), the TPU compiler recomputes them in each reader.
-    A softmax's probabilities in bfloat16, read by the two dots of attention's forward and
-    backward, get no buffer: measured on Llama-2-7B's scanned backward body on 64 v5p chips,
-    whose peak holds two of the [4, 16, 2048, 2048] score-sized buffers, not three."""
+    """Fused values whose readers all fuse them, dots and convolutions among them: those
+    value_buffers gives no buffer outside loops. Inside a loop body, body_buffers takes the
+    ones made from attention scores as recomputed in each reader: a softmax's probabilities
+    in bfloat16, read by the two dots of attention's forward and backward, get no buffer
+    (Llama-2-7B's scanned backward body on 64 v5p chips holds two of its [4, 16, 2048, 2048]
+    score-sized buffers at once, not three)."""
     return fused_when_read_by(graph, TPU_FUSING_READERS)
 
 
