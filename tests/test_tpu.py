@@ -7,6 +7,7 @@ a memory limit is checked against the TPU compiler's own peak.
 from __future__ import annotations
 
 import math
+import pathlib
 import re
 
 import numpy as np
@@ -27,7 +28,7 @@ from autopar.cost.xla import cpu as cpu_buffers, tpu as tpu_buffers  # noqa: E40
 from autopar.mesh import mesh_shape  # noqa: E402
 from autopar.trace.analysis import roles  # noqa: E402
 from autopar.trace.tracer import trace  # noqa: E402
-from benchmarks import tpu_models  # noqa: E402
+from benchmarks import tpu_experts, tpu_models  # noqa: E402
 from benchmarks.tpu_layers import dot_attention  # noqa: E402
 from models import gpt_abstract  # noqa: E402
 
@@ -256,7 +257,6 @@ def test_a_loop_bodys_fused_value_keeps_what_it_is_made_from_until_its_last_read
 def _co_live(dump: str, nbytes: int) -> int:
     """The most buffers of `nbytes` live at once in a TPU compiler's dump (its buffer
     assignment's sizes, its live ranges)."""
-    import pathlib
     folder = pathlib.Path(dump)
     sizes = next(folder.glob("*after_optimizations-buffer-assignment.txt")).read_text()
     ranges = next(folder.glob("*after_optimizations-live-range.txt")).read_text()
@@ -275,7 +275,6 @@ def test_a_partitioned_llama_layers_backward_holds_two_score_sized_buffers(tmp_p
     model has the probabilities in bfloat16 fused into those dots (body_buffers). A
     single chip's program holds three (docs/decisions.md, "The probabilities of a partitioned
     attention on TPU")."""
-    from benchmarks import tpu_experts
     work = tpu_models.setup("llama2-7b", batch=128, seq=2048, layers=4)
     mesh = tpu_experts.expert_mesh({"data": 32, "model": 2},
                                    tpu_experts.tpu_devices("v5p:4x4x4"))
@@ -284,12 +283,14 @@ def test_a_partitioned_llama_layers_backward_holds_two_score_sized_buffers(tmp_p
         compiler_options={"xla_dump_to": str(tmp_path)})
     assert _co_live(str(tmp_path), 4 * 16 * 2048 * 2048 * 2) == 2
     graph = trace(work.step, (work.state, work.batch))[0]
-    probabilities = [t for op in graph.ops if op.primitive == "convert_element_type"
-                     for t in op.outputs if graph.tensors[t].shape == (128, 32, 1, 2048, 2048)]
+    probabilities = {t for op in graph.ops if op.primitive == "convert_element_type"
+                     for t in op.outputs if graph.tensors[t].shape == (128, 32, 1, 2048, 2048)
+                     and graph.tensors[t].dtype == "bfloat16"}  # and their gradient's
     _, unwritten = tpu_buffers.body_buffers(graph, {}, mesh_shape({"data": 32, "model": 2}))
-    assert probabilities and set(probabilities) <= unwritten
-    # what dots alone read elsewhere (the MLP's gated product) is still written
-    assert tpu_buffers.fused_into_dots(graph) - unwritten
+    assert len(probabilities) == 3 and probabilities <= unwritten
+    # what dots read elsewhere, fused (the MLP's gated product), is still written
+    dots_read = {t for op in graph.ops if op.primitive == "dot_general" for t in op.inputs}
+    assert (tpu_buffers.fused_into_dots(graph) - unwritten) & dots_read
 
 
 @pytest.mark.slow
