@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.cost.loop_bodies import LAYOUT_AND_DTYPE
+from autopar.trace.analysis import edges
 from autopar.trace.ir import OpGraph, Equation
 from autopar.trace.tracer import scan_counts
 
@@ -133,8 +134,8 @@ def side_results(graph: OpGraph, backward: frozenset[int]) -> dict[int, tuple[in
              and graph.program[i].eqn.primitive.name in ("scan", "while")]
     if not loops:  # most steps: nothing to walk at each lowering
         return {}
-    made_by = {t: i for i, step in enumerate(graph.program) for t in step.outputs}
-    last = {t: i for i, step in enumerate(graph.program) for t in step.inputs}
+    made_by, readers = edges(graph)
+    last = {t: max(steps) for t, steps in readers.items()}
     last.update({t: len(graph.program) for t in graph.outputs})
     out: dict[int, tuple[int, ...]] = {}
     for i in loops:

@@ -143,23 +143,28 @@ def body_buffers(graph: OpGraph, specs: dict[int, Spec], mesh: MeshShape
             written.update(scores.normalised)
             unwritten.add(scores.dot)
         else:
-            recomputed |= _fused_from(graph, scores.dot)
+            recomputed |= _made_from_scores(graph)[scores.dot]
     return (frozenset(written),
             frozenset(unwritten | (fused_into_dots(graph) & recomputed)))
 
 
-def _fused_from(graph: OpGraph, t: int) -> set[int]:
-    """The values made from `t` through fused operators alone, at any depth."""
-    readers: dict[int, list[int]] = {}
+@per_graph  # body_buffers asks it at every memory estimate
+def _made_from_scores(graph: OpGraph) -> dict[int, frozenset[int]]:
+    """Each grouped_scores dot's result -> the values made from it through fused operators
+    alone, at any depth (its softmax and the softmax's gradient)."""
+    readers: dict[int, list] = {}
     for op in graph.ops:
         for u in set(op.inputs):
             readers.setdefault(u, []).append(op)
-    out, todo = set(), [t]
-    while todo:
-        for op in readers.get(todo.pop(), ()):
-            if op.primitive in FUSED:
-                todo += [u for u in op.outputs if u not in out]
-                out.update(op.outputs)
+    out = {}
+    for scores in grouped_scores(graph):
+        found, todo = set(), [scores.dot]
+        while todo:
+            for op in readers.get(todo.pop(), ()):
+                if op.primitive in FUSED:
+                    todo += [u for u in op.outputs if u not in found]
+                    found.update(op.outputs)
+        out[scores.dot] = frozenset(found)
     return out
 
 
